@@ -1,0 +1,59 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+# Both create .venv on first use and are fast when nothing changed.
+
+PYTHON  ?= python3
+VENV    := .venv
+PY      := $(VENV)/bin/python
+MPIRUN  := $(VENV)/bin/mpirun --oversubscribe
+STAMP   := $(VENV)/.installed
+NATIVE_SRC := $(wildcard native/*.c native/*.h native/*.pyx)
+
+# Open MPI refuses root without these; one compute thread per rank so that
+# oversubscribed ranks do not fight over the two cores.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_mpi_yield_when_idle := 1
+export OMP_NUM_THREADS := 1
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: install test test-python test-mpi test-c test-slurm demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel Cython numpy
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) setup.py -q build_ext --inplace
+	touch $(STAMP)
+
+test: test-python test-mpi test-c
+
+test-python: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-mpi: $(STAMP)
+	timeout 1200 $(MPIRUN) -n 4 $(PY) -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+
+test-c:
+	cmake -S . -B build/ctest -DCMAKE_BUILD_TYPE=Debug >/dev/null
+	cmake --build build/ctest -j2 >/dev/null
+	ctest --test-dir build/ctest --output-on-failure
+
+test-slurm: $(STAMP)
+	bash tests/slurm/run.sh
+
+demo: $(STAMP)
+	bash jobs/demo.sh
+
+bench: $(STAMP)
+	$(PY) -m native.bench
+	$(PY) bench/pipeline.py
+	$(PY) bench/resilience.py
+	$(PY) bench/stannis.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check native mpipipe stannis tests bench
+
+clean:
+	rm -rf build native/_shard.c native/*.so runs data
