@@ -1,0 +1,1 @@
+"""Stannis: data-parallel training across one host rank and many CSD ranks."""

@@ -1,0 +1,100 @@
+"""Batch-size-weighted gradient allreduce over flattened, bucketed buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from mpi4py import MPI
+
+
+class WeightedAllreduce:
+    """Replace every gradient by the mean of all ranks' gradients weighted by batch size.
+
+    Each rank's gradient is the mean over its own batch; weighting by the batch
+    size b_i and dividing by sum(b_i) gives the gradient of the mean loss over
+    the union of all batches, whatever the split (Horovod and DDP average
+    equally, which is wrong once batches differ). The gradients are copied into
+    one flat buffer whose slices (buckets) each go through one in-place
+    ``Allreduce`` on the buffer API, so nothing is pickled. The weight itself
+    rides in the last slot of the last bucket, so the total costs no extra call.
+
+    A rank whose batch is empty passes ``weight=0`` (its gradients may be
+    ``None``) and still takes part in every collective.
+    """
+
+    def __init__(self, comm: MPI.Comm, params: Iterable[torch.nn.Parameter],
+                 bucket_bytes: int = 4 << 20) -> None:
+        self.comm = comm
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("WeightedAllreduce needs at least one parameter that requires grad")
+        dtypes = {p.dtype for p in self.params}
+        if dtypes != {torch.float32}:
+            got = sorted(map(str, dtypes))
+            raise ValueError(f"WeightedAllreduce expects float32 parameters, got {got}; "
+                             "convert the model with .float()")
+        if bucket_bytes < 4:
+            raise ValueError(f"bucket_bytes must be at least 4, got {bucket_bytes}")
+        self.offsets: list[int] = []
+        total = 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        # One extra float32 slot carries the weight (exact for integers < 2**24).
+        self.flat = torch.zeros(total + 1, dtype=torch.float32)
+        self._buf = self.flat.numpy()
+        per_bucket = max(1, bucket_bytes // 4)
+        self.buckets = [(s, min(s + per_bucket, total + 1))
+                        for s in range(0, total + 1, per_bucket)]
+        self.bytes_sent = 0
+        self.calls = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes one rank contributes per ``reduce``: every gradient plus the weight slot."""
+        return int(self._buf.nbytes)
+
+    def reduce(self, weight: float) -> float:
+        """Average gradients across ranks weighted by ``weight`` and return the total weight.
+
+        If every rank passed 0 the gradients become zero, so an optimizer step
+        changes nothing (apart from momentum and weight decay).
+
+        Raises:
+            mpi4py.MPI.Exception: a peer failed (under ULFM); the local gradients
+                are untouched, so the caller may shrink and call again.
+        """
+        if weight < 0:
+            raise ValueError(f"weight must be >= 0 (a batch size), got {weight}")
+        flat = self.flat
+        for p, off in zip(self.params, self.offsets, strict=True):
+            n = p.numel()
+            if p.grad is None or weight == 0:
+                flat[off:off + n].zero_()
+            else:
+                torch.mul(p.grad.reshape(-1), float(weight), out=flat[off:off + n])
+        flat[-1] = float(weight)
+        for start, stop in self.buckets:
+            view = self._buf[start:stop]
+            self.comm.Allreduce(MPI.IN_PLACE, [view, MPI.FLOAT], op=MPI.SUM)
+            self.bytes_sent += view.nbytes
+            self.calls += 1
+        total = float(self._buf[-1])
+        if total > 0:
+            flat[:-1].div_(total)
+        for p, off in zip(self.params, self.offsets, strict=True):
+            n = p.numel()
+            src = flat[off:off + n].view_as(p)
+            if p.grad is None:
+                p.grad = src.clone()
+            else:
+                p.grad.copy_(src)
+        return total
+
+    def reset_counters(self) -> None:
+        """Zero the byte and call counters (the log reports them per step)."""
+        self.bytes_sent = 0
+        self.calls = 0
+

@@ -1,0 +1,85 @@
+"""The weighted allreduce gives the gradient of the union batch, at any world size."""
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from stannis.allreduce import WeightedAllreduce
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+        torch.nn.Linear(4 * 8 * 8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10),
+    )
+
+
+def _union_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(99)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _check(comm: MPI.Comm, sizes: list[int], bucket_bytes: int) -> None:
+    assert len(sizes) == comm.Get_size()
+    x, y = _union_batch(sum(sizes))
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    reference = _model()
+    loss_fn(reference(x), y).backward()
+    expected = _grads(reference)
+
+    model = _model()
+    start = sum(sizes[:comm.Get_rank()])
+    b = sizes[comm.Get_rank()]
+    if b > 0:
+        loss_fn(model(x[start:start + b]), y[start:start + b]).backward()
+    reducer = WeightedAllreduce(comm, model.parameters(), bucket_bytes=bucket_bytes)
+    total = reducer.reduce(b)
+    assert total == sum(sizes)
+    assert reducer.calls == len(reducer.buckets) > 1
+    for got, want in zip(_grads(model), expected, strict=True):
+        assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bucket_bytes", [256, 1024, 4096])
+def test_unequal_batches_match_union_batch(bucket_bytes: int) -> None:
+    comm = MPI.COMM_WORLD
+    sizes = [3 + 5 * r for r in range(comm.Get_size())]
+    _check(comm, sizes, bucket_bytes)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_rank_with_empty_batch_contributes_nothing() -> None:
+    comm = MPI.COMM_WORLD
+    sizes = [7 + r for r in range(comm.Get_size())]
+    sizes[1] = 0
+    _check(comm, sizes, 512)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_works_on_a_sub_communicator() -> None:
+    world = MPI.COMM_WORLD
+    sub = world.Split(world.Get_rank() % 2, world.Get_rank())
+    try:
+        _check(sub, [2 * r + 1 for r in range(sub.Get_size())], 300)
+    finally:
+        sub.Free()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_all_empty_gives_zero_gradient() -> None:
+    comm = MPI.COMM_WORLD
+    model = _model()
+    reducer = WeightedAllreduce(comm, model.parameters())
+    assert reducer.reduce(0) == 0
+    assert all(p.grad.abs().max().item() == 0 for p in model.parameters())
