@@ -1,0 +1,3 @@
+"""mpipipe: resilient pipeline-parallel (ResPipe) CNN training on MPI, and the core both systems share."""
+
+__version__ = "0.1.0"

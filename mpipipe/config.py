@@ -1,0 +1,196 @@
+"""One configuration loader for both systems: TOML file + `--set key=value` overrides.
+
+A schema is a nested dict of sections whose values are the defaults. The type
+of each default is the type a value must have (an int is accepted where a
+float is expected; a default of ``None`` accepts anything, a dict default is a
+free-form table checked by its consumer). Every unknown key or wrong type is a
+:class:`ConfigError` that names the key, so a typo never silently trains with
+a default.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ConfigError", "PIPELINE_DEFAULTS", "PIPELINE_CHOICES", "load_config", "parse_override"]
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is wrong; the message names the key."""
+
+
+PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "run": {
+        "seed": 0,  # seeds torch, the sampler and fault injection
+        "steps": 300,  # optimizer steps to train (0: use epochs)
+        "epochs": 0,  # if > 0 and steps == 0: train this many epochs
+        "eval_every": 50,  # evaluate on the test split every N steps (0: only at the end)
+        "log_every": 10,  # plain progress line every N steps when not on a terminal
+        "checkpoint_every": 0,  # save every N steps (0: never)
+        "checkpoint_dir": "",  # where checkpoints go (default: beside the log)
+        "threads": 1,  # torch compute threads per rank
+    },
+    "data": {
+        "path": "data/digits",  # directory with train/ and test/ shard data sets
+        "batch_size": 64,  # mini-batch size (samples per optimizer step)
+        "shuffle": True,
+        "drop_last": True,
+    },
+    "model": {
+        "name": "lenet",  # lenet | vgg | resnet
+        "num_classes": 10,
+    },
+    "optim": {
+        "name": "sgd",  # sgd | adam
+        "lr": 0.05,
+        "momentum": 0.9,
+        "weight_decay": 0.0,
+    },
+    "pipeline": {
+        "stages": 3,  # K: number of pipeline stages (one rank each)
+        "balance": [],  # layers per stage; [] = automatic
+        "balance_by": "time",  # time | params (automatic balancing)
+        "chunks": 4,  # m: micro-batches per mini-batch
+        "schedule": "1f1b",  # gpipe | 1f1b
+    },
+    "plan": {},  # explicit launch plan: role name -> rank, e.g. "stage 0" = 0
+    "resilience": {
+        "backups": {},  # stage -> number of backup ranks, e.g. {1 = 1}
+        "replicate_every": 1,  # R: refresh replicas every R steps
+        "mode": "cold",  # cold | hot | neighbour
+        "deadline_s": 30.0,  # a wait longer than this marks the sender late
+        "deadline_factor": 0.0,  # if > 0: deadline = factor x running median of that wait
+        "inject": [],  # fault specs, as with --inject
+    },
+}
+
+PIPELINE_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.name": ("lenet", "vgg", "resnet"),
+    "optim.name": ("sgd", "adam"),
+    "pipeline.balance_by": ("time", "params"),
+    "pipeline.schedule": ("gpipe", "1f1b"),
+    "resilience.mode": ("cold", "hot", "neighbour"),
+}
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``section.key=value``; the value is read as TOML, else taken as a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    path = [p.strip() for p in key.strip().split(".")]
+    if len(path) < 2 or not all(path):
+        raise ConfigError(f"--set {text!r}: the key must look like section.key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def _type_ok(default: Any, value: Any) -> bool:
+    if default is None:
+        return True
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, type(default))
+
+
+def _type_name(default: Any) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a table"}.get(type(default), type(default).__name__)
+
+
+def _assign(cfg: dict, defaults: Mapping, path: list[str], value: Any, origin: str) -> None:
+    dotted = ".".join(path)
+    section = path[0]
+    if section not in defaults:
+        raise ConfigError(f"{origin}: unknown section [{section}] (known: {', '.join(defaults)})")
+    schema = defaults[section]
+    if isinstance(schema, dict) and not schema and len(path) >= 2:
+        # free-form table (e.g. [plan]): keep as given
+        node = cfg[section]
+        for part in path[1:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+        return
+    key = path[1]
+    if key not in schema:
+        raise ConfigError(
+            f"{origin}: unknown key '{section}.{key}' (known in [{section}]: {', '.join(schema)})"
+        )
+    default = schema[key]
+    if len(path) > 2:
+        if not isinstance(default, dict):
+            raise ConfigError(f"{origin}: '{section}.{key}' is not a table, cannot set {dotted}")
+        node = cfg[section][key]
+        for part in path[2:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+        return
+    if not _type_ok(default, value):
+        raise ConfigError(
+            f"{origin}: '{dotted}' must be {_type_name(default)}, got {value!r}"
+        )
+    cfg[section][key] = float(value) if isinstance(default, float) else value
+
+
+def _merge_file(cfg: dict, defaults: Mapping, data: Mapping, origin: str) -> None:
+    for section, body in data.items():
+        if section not in defaults:
+            raise ConfigError(
+                f"{origin}: unknown section [{section}] (known: {', '.join(defaults)})"
+            )
+        if not isinstance(body, dict):
+            raise ConfigError(f"{origin}: '{section}' must be a table [{section}]")
+        if isinstance(defaults[section], dict) and not defaults[section]:
+            cfg[section].update(copy.deepcopy(body))
+            continue
+        for key, value in body.items():
+            _assign(cfg, defaults, [section, key], value, origin)
+
+
+def _check_choices(cfg: Mapping, choices: Mapping[str, tuple[str, ...]]) -> None:
+    for dotted, allowed in choices.items():
+        section, key = dotted.split(".", 1)
+        value = cfg.get(section, {}).get(key)
+        if value not in allowed:
+            raise ConfigError(f"'{dotted}' = {value!r}: choose one of {', '.join(allowed)}")
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: Iterable[str] = (),
+    defaults: Mapping[str, Mapping[str, Any]] = PIPELINE_DEFAULTS,
+    choices: Mapping[str, tuple[str, ...]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Return the defaults, updated by the TOML file at ``path``, then by each override.
+
+    Raises:
+        ConfigError: the file is missing or not TOML, a key is unknown, a value
+            has the wrong type or is not one of the allowed choices.
+    """
+    cfg: dict[str, dict[str, Any]] = copy.deepcopy({k: dict(v) for k, v in defaults.items()})
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        _merge_file(cfg, defaults, data, f"config file {p}")
+    for text in overrides:
+        keys, value = parse_override(text)
+        _assign(cfg, defaults, keys, value, f"--set {text}")
+    if choices:
+        _check_choices(cfg, choices)
+    return cfg

@@ -1,0 +1,211 @@
+"""The launch plan: which role every MPI rank plays, checked before any work starts.
+
+Every rank evaluates the same configuration, so every rank reaches the same
+verdict without exchanging a message: a bad plan stops all ranks at once with
+one error line and exit status 2, and nothing can hang waiting for a peer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+__all__ = [
+    "KINDS",
+    "Role",
+    "LaunchPlan",
+    "PlanError",
+    "fail_fast",
+    "check_world_size",
+    "pipeline_plan",
+]
+
+KINDS = ("stage", "backup", "host", "csd")
+_ROLE_RE = re.compile(r"^\s*(stage|backup|host|csd)\s*(\d+)?\s*$")
+
+
+class PlanError(ValueError):
+    """The launch plan does not fit the configuration or the MPI world."""
+
+
+@dataclass(frozen=True, order=True)
+class Role:
+    """What one rank does: ``stage k``, ``backup k`` (shadows stage k), ``host``, ``csd k``."""
+
+    kind: str
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise PlanError(f"unknown role kind {self.kind!r} (known: {', '.join(KINDS)})")
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "host" else f"{self.kind} {self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> Role:
+        """Read ``"stage 1"``, ``"backup 2"``, ``"host"`` or ``"csd 3"``."""
+        m = _ROLE_RE.match(text)
+        if not m:
+            raise PlanError(f"unknown role {text!r}: expected 'stage K', 'backup K', 'host' or 'csd K'")
+        kind, index = m.group(1), m.group(2)
+        if kind != "host" and index is None:
+            raise PlanError(f"role {text!r} needs an index, e.g. '{kind} 1'")
+        return cls(kind, int(index or 0))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One role per world rank, in rank order."""
+
+    roles: tuple[Role, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.roles)
+
+    def role_of(self, rank: int) -> Role:
+        return self.roles[rank]
+
+    def ranks_of(self, kind: str, index: int | None = None) -> list[int]:
+        """Ranks whose role has this kind (and index, if given), in rank order."""
+        return [
+            r for r, role in enumerate(self.roles)
+            if role.kind == kind and (index is None or role.index == index)
+        ]
+
+    def describe(self) -> str:
+        return ", ".join(f"{r}={role}" for r, role in enumerate(self.roles))
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], world_size: int) -> LaunchPlan:
+        """Build a plan from an explicit ``role name -> rank`` table (config ``[plan]``).
+
+        Raises:
+            PlanError: a rank outside the world, a rank with two roles, a rank
+                with none, or an unknown role name.
+        """
+        by_rank: dict[int, Role] = {}
+        for name, rank in table.items():
+            role = Role.parse(name)
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise PlanError(f"[plan] '{name}' must be a rank number, got {rank!r}")
+            if not 0 <= rank < world_size:
+                raise PlanError(
+                    f"[plan] '{name}' = {rank}: no such rank (the MPI world has ranks 0..{world_size - 1})"
+                )
+            if rank in by_rank:
+                raise PlanError(f"[plan] rank {rank} has two roles: '{by_rank[rank]}' and '{role}'")
+            by_rank[rank] = role
+        missing = [r for r in range(world_size) if r not in by_rank]
+        if missing:
+            raise PlanError(f"[plan] ranks {missing} have no role; give every rank one role")
+        return cls(tuple(by_rank[r] for r in range(world_size)))
+
+
+def pipeline_plan(cfg: Mapping[str, Mapping[str, Any]], world_size: int) -> LaunchPlan:
+    """The launch plan of a pipeline (ResPipe) job.
+
+    Without an explicit ``[plan]`` the stages take ranks 0..K-1 and backups
+    follow in stage order, as many per stage as ``resilience.backups`` says.
+
+    Raises:
+        PlanError: the world size does not match, a stage has no rank, a backup
+            shadows a stage that does not exist, or a role is not a pipeline role.
+    """
+    stages = cfg["pipeline"]["stages"]
+    if stages < 1:
+        raise PlanError(f"pipeline.stages = {stages}: need at least one stage")
+    backups = _backup_counts(cfg["resilience"].get("backups", {}), stages)
+    wanted = stages + sum(backups.values())
+    if cfg.get("plan"):
+        plan = LaunchPlan.from_table(cfg["plan"], world_size)
+    else:
+        if world_size != wanted:
+            extra = f" + {wanted - stages} backups" if wanted > stages else ""
+            raise PlanError(
+                f"the launch plan needs {wanted} ranks ({stages} stages{extra}) but the MPI "
+                f"world has {world_size}: run mpirun -n {wanted}, or change pipeline.stages"
+            )
+        roles = [Role("stage", k) for k in range(stages)]
+        for k in sorted(backups):
+            roles += [Role("backup", k)] * backups[k]
+        plan = LaunchPlan(tuple(roles))
+    for r, role in enumerate(plan.roles):
+        if role.kind not in ("stage", "backup"):
+            raise PlanError(f"rank {r} is '{role}': a pipeline job has only stages and backups")
+        if role.index >= stages:
+            raise PlanError(f"rank {r} is '{role}' but the pipeline has stages 0..{stages - 1}")
+    for k in range(stages):
+        n = len(plan.ranks_of("stage", k))
+        if n == 0:
+            raise PlanError(f"stage {k} has no rank; give it one in [plan] or raise the world size")
+        if n > 1:
+            raise PlanError(f"stage {k} has {n} ranks {plan.ranks_of('stage', k)}; use 'backup {k}' for spares")
+    return plan
+
+
+def _backup_counts(table: Any, stages: int) -> dict[int, int]:
+    """Read ``resilience.backups``: ``{stage = count}`` or ``"all"`` (one per stage)."""
+    if table == "all":
+        return dict.fromkeys(range(stages), 1)
+    if not isinstance(table, Mapping):
+        raise PlanError("resilience.backups must be a table like {1 = 1} or \"all\"")
+    out: dict[int, int] = {}
+    for key, count in table.items():
+        try:
+            k = int(key)
+        except ValueError:
+            raise PlanError(f"resilience.backups: {key!r} is not a stage number") from None
+        if not 0 <= k < stages:
+            raise PlanError(f"resilience.backups: stage {k} does not exist (stages 0..{stages - 1})")
+        if not isinstance(count, int) or count < 0:
+            raise PlanError(f"resilience.backups: stage {k} count must be >= 0, got {count!r}")
+        if count:
+            out[k] = count
+    return out
+
+
+def launcher_world_size(env: Mapping[str, str] | None = None) -> tuple[int, str] | None:
+    """The world size the launcher promised, and which variable said so."""
+    env = os.environ if env is None else env
+    for var in ("MPIPIPE_EXPECT_NP", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if env.get(var, "").isdigit():
+            return int(env[var]), var
+    return None
+
+
+def check_world_size(size: int, env: Mapping[str, str] | None = None) -> None:
+    """Fail if MPI's world is not what the launcher promised.
+
+    A launch without PMI (``srun`` with no MPI plugin, or N copies of
+    ``python``) starts N singletons that each believe they are rank 0 of 1;
+    training them would write N logs and learn N times the same thing.
+
+    Raises:
+        PlanError: the sizes differ.
+    """
+    promised = launcher_world_size(env)
+    if promised and promised[0] != size:
+        n, var = promised
+        raise PlanError(
+            f"{var}={n} but the MPI world has {size} rank(s): the processes did not join one "
+            f"MPI job (launched without PMI?). Start with mpirun -n {n} inside the allocation"
+        )
+
+
+def fail_fast(comm: Any, error: BaseException | str, prog: str, rank: int | None = None) -> NoReturn:
+    """Print one error line (rank 0 only) and exit with status 2 on every rank."""
+    rank = comm.Get_rank() if rank is None and comm is not None else (rank or 0)
+    if rank == 0:
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    raise SystemExit(2)
+
+
+def describe_roles(roles: Iterable[Role]) -> str:
+    return ", ".join(str(r) for r in roles)
