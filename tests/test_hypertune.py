@@ -1,0 +1,172 @@
+"""HyperTune's pure rules: fitting, equal step times, memory caps, objectives, LR."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stannis.hypertune import (
+    RankProfile,
+    StepModel,
+    TuneError,
+    equalise,
+    evaluate,
+    fit_step_model,
+    imbalance,
+    refit,
+    scaled_lr,
+    should_retune,
+    tune,
+)
+
+HOST = StepModel(0.0, 0.001)  # 1000 samples/s
+CSD = StepModel(0.0, 0.008)   # 1/8 of the host
+
+
+def _host_and_csds(n: int = 4, cap: int = 10_000, **power) -> list[RankProfile]:
+    host = RankProfile(HOST, cap, idle_w=power.get("host_idle", 0.0),
+                       active_w=power.get("host_active", 0.0))
+    csd = RankProfile(CSD, cap, idle_w=power.get("csd_idle", 0.0),
+                      active_w=power.get("csd_active", 0.0))
+    return [host] + [csd] * n
+
+
+def test_fit_recovers_a_known_line() -> None:
+    m = fit_step_model([8, 32, 128], [0.01 + 8 * 0.002, 0.01 + 32 * 0.002, 0.01 + 128 * 0.002])
+    assert m.overhead_s == pytest.approx(0.01)
+    assert m.per_sample_s == pytest.approx(0.002)
+    assert m.peak_sps == pytest.approx(500)
+
+
+def test_fit_with_noise_never_gives_negative_terms() -> None:
+    m = fit_step_model([8, 16], [0.05, 0.04])  # time fell as the batch grew
+    assert m.overhead_s == 0 and m.per_sample_s > 0
+    m = fit_step_model([10, 20], [0.010, 0.030])  # negative intercept
+    assert m.overhead_s == 0 and m.per_sample_s > 0
+
+
+def test_fit_rejects_bad_input() -> None:
+    with pytest.raises(TuneError):
+        fit_step_model([], [])
+    with pytest.raises(TuneError):
+        fit_step_model([0, 8], [0.1, 0.2])
+
+
+def test_host_and_four_eighth_speed_csds_reach_the_ideal() -> None:
+    profiles = _host_and_csds()
+    plan = tune(profiles, 192)
+    assert plan.batches == (128, 16, 16, 16, 16)
+    assert plan.samples_per_s == pytest.approx(1500)  # 1 + 4/8 host units
+    equal = evaluate(profiles, (39, 39, 38, 38, 38))
+    assert equal.samples_per_s < 0.65 * 1000  # the slowest rank sets the pace
+    assert plan.samples_per_s / equal.samples_per_s > 2.0
+
+
+def test_step_times_are_equal_up_to_one_sample() -> None:
+    profiles = [RankProfile(StepModel(0.002 * i, 0.001 * (i + 1)), 1000) for i in range(5)]
+    batches = equalise(profiles, 500)
+    times = [p.model.time(b) for p, b in zip(profiles, batches, strict=True)]
+    assert sum(batches) == 500
+    assert max(times) - min(times) <= max(p.model.per_sample_s for p in profiles)
+
+
+def test_memory_cap_is_respected() -> None:
+    profiles = _host_and_csds(cap=10_000)
+    profiles[0] = RankProfile(HOST, 64)
+    plan = tune(profiles, 192)
+    assert plan.batches[0] == 64
+    assert sum(plan.batches) == 192
+    assert plan.batches[1:] == (32, 32, 32, 32)
+
+
+def test_caps_below_global_batch_run_everyone_at_cap() -> None:
+    profiles = [RankProfile(HOST, 10), RankProfile(CSD, 5)]
+    assert tune(profiles, 100).batches == (10, 5)
+
+
+def test_min_batches_above_global_batch_is_an_error() -> None:
+    profiles = [RankProfile(HOST, 10, min_batch=8), RankProfile(CSD, 10, min_batch=8)]
+    with pytest.raises(TuneError, match="global batch"):
+        tune(profiles, 10)
+
+
+def test_unknown_objective_is_named() -> None:
+    with pytest.raises(TuneError, match="speed"):
+        tune(_host_and_csds(), 64, objective="speed")
+
+
+def test_energy_objective_moves_work_to_cheap_ranks() -> None:
+    # The host is fast but hungry; CSDs draw little. Idle power is small, so
+    # a longer step on the CSDs costs less than keeping the host busy.
+    profiles = _host_and_csds(host_idle=1.0, host_active=200.0, csd_idle=0.5, csd_active=5.0)
+    fast = tune(profiles, 192, objective="throughput")
+    frugal = tune(profiles, 192, objective="energy")
+    assert frugal.samples_per_joule > fast.samples_per_joule
+    assert frugal.batches[0] < fast.batches[0]
+    assert frugal.samples_per_s <= fast.samples_per_s
+    mixed = tune(profiles, 192, objective="mix", mix_weight=0.5)
+    assert frugal.samples_per_joule >= mixed.samples_per_joule >= fast.samples_per_joule
+    assert tune(profiles, 192, objective="mix", mix_weight=1.0).batches == fast.batches
+
+
+def test_energy_objective_with_costly_idle_stays_fast() -> None:
+    # When idle power dominates, finishing sooner is also the cheapest.
+    profiles = _host_and_csds(host_idle=100.0, host_active=110.0, csd_idle=50.0, csd_active=51.0)
+    assert tune(profiles, 192, objective="energy").batches == tune(profiles, 192).batches
+
+
+def test_imbalance_and_threshold() -> None:
+    assert imbalance([0.1, 0.1, 0.1]) == 0
+    assert imbalance([0.1, 0.2]) == pytest.approx(0.5)
+    assert imbalance([0.1, 0.0]) == 0  # an idle rank is not a straggler
+    assert should_retune([0.1, 0.2], 0.25)
+    assert not should_retune([0.1, 0.11], 0.25)
+
+
+def test_slowdown_is_refitted_and_rebalanced() -> None:
+    profiles = _host_and_csds()
+    plan = tune(profiles, 192)
+    times = [p.model.time(b) for p, b in zip(profiles, plan.batches, strict=True)]
+    times[2] *= 2  # CSD 2 slowed by other work on its drive
+    assert should_retune(times, 0.25)
+    again = tune(refit(profiles, plan.batches, times), 192)
+    assert again.batches[2] < plan.batches[2]
+    assert sum(again.batches) == 192
+    # New ideal: 1000 + 3 * 125 + 62.5 samples/s.
+    assert again.samples_per_s == pytest.approx(1437.5, rel=0.02)
+
+
+def test_dropping_a_rank_rebalances_the_survivors() -> None:
+    profiles = _host_and_csds()
+    plan = tune(profiles[:4], 192)
+    assert sum(plan.batches) == 192 and len(plan.batches) == 4
+
+
+def test_linear_lr_scaling_with_warmup() -> None:
+    assert scaled_lr(0.1, 32, 128, step=0, warmup_steps=4) == pytest.approx(0.1 + 0.3 / 4)
+    assert scaled_lr(0.1, 32, 128, step=3, warmup_steps=4) == pytest.approx(0.4)
+    assert scaled_lr(0.1, 32, 128, step=100, warmup_steps=4) == pytest.approx(0.4)
+    assert scaled_lr(0.1, 32, 64, step=0, warmup_steps=0) == pytest.approx(0.2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    per_sample=st.lists(st.floats(1e-4, 1e-1), min_size=1, max_size=6),
+    overhead=st.floats(0.0, 0.05),
+    caps=st.lists(st.integers(1, 300), min_size=6, max_size=6),
+    global_batch=st.integers(6, 800),
+)
+def test_tuned_plan_respects_caps_and_beats_equal_split(per_sample, overhead, caps,
+                                                       global_batch) -> None:
+    profiles = [RankProfile(StepModel(overhead, s), c) for s, c in zip(per_sample, caps,
+                                                                       strict=False)]
+    plan = tune(profiles, global_batch)
+    assert all(p.min_batch <= b <= p.max_batch for p, b in zip(profiles, plan.batches,
+                                                               strict=True))
+    assert sum(plan.batches) == min(global_batch, sum(p.max_batch for p in profiles))
+    n = len(profiles)
+    share = [min(p.max_batch, plan.global_batch // n) for p in profiles]
+    if sum(share) == plan.global_batch:
+        assert plan.step_s <= evaluate(profiles, share).step_s + 1e-12
+    assert math.isfinite(plan.samples_per_s)
