@@ -1,0 +1,160 @@
+"""The shared core: configuration loader, launch plan, world-size check, run log."""
+
+from __future__ import annotations
+
+import math
+
+import h5py
+import numpy as np
+import pytest
+
+from mpipipe.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, ConfigError, load_config
+from mpipipe.roles import LaunchPlan, PlanError, Role, check_world_size, pipeline_plan
+from mpipipe.runlog import LogError, RunLog, open_log
+
+
+def write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_file_and_overrides_merge(tmp_path):
+    p = write(tmp_path, "[pipeline]\nstages = 2\nchunks = 8\n[optim]\nlr = 1\n")
+    cfg = load_config(p, ["pipeline.schedule=gpipe", "run.steps=7", "resilience.backups.1=1"])
+    assert cfg["pipeline"] == {**PIPELINE_DEFAULTS["pipeline"], "stages": 2, "chunks": 8, "schedule": "gpipe"}
+    assert cfg["optim"]["lr"] == 1.0 and isinstance(cfg["optim"]["lr"], float)
+    assert cfg["run"]["steps"] == 7
+    assert cfg["resilience"]["backups"] == {"1": 1}
+    # the defaults themselves are never mutated
+    assert PIPELINE_DEFAULTS["pipeline"]["stages"] == 3
+    assert PIPELINE_DEFAULTS["resilience"]["backups"] == {}
+
+
+@pytest.mark.parametrize("text,overrides,message", [
+    ("[pipeline]\nchunkz = 4\n", [], "unknown key 'pipeline.chunkz'"),
+    ("[pipline]\n", [], "unknown section [pipline]"),
+    ("[pipeline]\nstages = 'three'\n", [], "'pipeline.stages' must be an integer"),
+    ("[data]\nshuffle = 1\n", [], "'data.shuffle' must be true/false"),
+    ("[pipeline\n", [], "is not valid TOML"),
+    ("", ["pipeline.stages"], "expected section.key=value"),
+    ("", ["stages=3"], "must look like section.key"),
+    ("", ["pipeline.schedule=zigzag"], "choose one of gpipe, 1f1b"),
+    ("", ["run.nope=1"], "unknown key 'run.nope'"),
+])
+def test_bad_config_names_the_key(tmp_path, text, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), overrides, PIPELINE_DEFAULTS, PIPELINE_CHOICES)
+    assert message in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def cfg_with(**sections):
+    cfg = load_config(None)
+    for section, values in sections.items():
+        cfg[section].update(values)
+    return cfg
+
+
+def test_automatic_pipeline_plan_places_backups_after_stages():
+    cfg = cfg_with(pipeline={"stages": 3}, resilience={"backups": {"1": 1, "2": 1}})
+    plan = pipeline_plan(cfg, 5)
+    assert [str(r) for r in plan.roles] == ["stage 0", "stage 1", "stage 2", "backup 1", "backup 2"]
+    assert plan.ranks_of("backup", 2) == [4]
+    assert pipeline_plan(cfg_with(resilience={"backups": "all"}), 6).ranks_of("backup") == [3, 4, 5]
+
+
+@pytest.mark.parametrize("sections,world,message", [
+    ({"pipeline": {"stages": 3}}, 4, "needs 3 ranks (3 stages) but the MPI world has 4"),
+    ({"resilience": {"backups": {"1": 1}}}, 3, "needs 4 ranks (3 stages + 1 backups)"),
+    ({"resilience": {"backups": {"7": 1}}}, 4, "stage 7 does not exist"),
+    ({"plan": {"stage 0": 0, "stage 1": 0, "stage 2": 1}}, 2, "rank 0 has two roles"),
+    ({"plan": {"stage 0": 0, "stage 2": 1}}, 2, "stage 1 has no rank"),
+    ({"plan": {"stage 0": 0, "stage 1": 1}}, 3, "ranks [2] have no role"),
+    ({"plan": {"stage 0": 0, "stage 1": 1, "stage 2": 5}}, 3, "no such rank"),
+    ({"plan": {"stage 0": 0, "stage 1": 1, "chef 2": 2}}, 3, "unknown role 'chef 2'"),
+    ({"plan": {"stage 0": 0, "stage 1": 1, "host": 2}}, 3, "only stages and backups"),
+])
+def test_bad_launch_plans(sections, world, message):
+    with pytest.raises(PlanError) as err:
+        pipeline_plan(cfg_with(**sections), world)
+    assert message in str(err.value)
+
+
+def test_role_parse_and_str():
+    assert Role.parse("backup 2") == Role("backup", 2)
+    assert str(Role.parse(" host ")) == "host"
+    with pytest.raises(PlanError, match="needs an index"):
+        Role.parse("stage")
+    plan = LaunchPlan.from_table({"host": 0, "csd 1": 1}, 2)
+    assert plan.describe() == "0=host, 1=csd 1"
+
+
+def test_world_size_check_catches_singletons():
+    check_world_size(4, {"SLURM_NTASKS": "4"})
+    check_world_size(1, {})
+    with pytest.raises(PlanError, match="SLURM_NTASKS=4 but the MPI world has 1"):
+        check_world_size(1, {"SLURM_NTASKS": "4"})
+
+
+def test_runlog_round_trip(tmp_path):
+    path = tmp_path / "run.h5"
+    with RunLog(path, system="mpipipe", config={"a": {"b": 1}}, comm_size=2) as log:
+        for s in range(1, 4):
+            log.step(s, loss=1.0 / s, samples=32, samples_per_s=100.0,
+                     ranks={0: {"compute_s": 0.1, "wait_s": 0.0, "bytes_sent": 10, "bytes_recv": 0},
+                            1: {"compute_s": 0.2, "wait_s": 0.1, "bytes_sent": 0, "bytes_recv": 10,
+                                **({"batch_size": 8} if s > 1 else {})}})
+        log.eval(3, accuracy=0.5)
+        log.event("takeover", step=2, rank=3, detected_after_s=0.5, recovery_s=np.float64(1.5))
+    run = open_log(path)
+    assert run.attrs["status"] == "completed" and run.system == "mpipipe"
+    assert run.config == {"a": {"b": 1}}
+    assert list(run.steps["step"]) == [1, 2, 3]
+    assert run.ranks[1]["bytes_recv"].tolist() == [10, 10, 10]
+    assert run.ranks[1]["batch_size"].tolist() == [-1, 8, 8]  # back-filled
+    assert run.eval["accuracy"].tolist() == [0.5] and math.isnan(run.eval["loss"][0])
+    assert run.events == [{"step": 2, "time": run.events[0]["time"], "kind": "takeover", "rank": 3,
+                           "detail": {"detected_after_s": 0.5, "recovery_s": 1.5}}]
+
+
+def test_runlog_failure_status_and_null(tmp_path):
+    path = tmp_path / "run.h5"
+    with pytest.raises(RuntimeError):
+        with RunLog(path, system="stannis", config={}, comm_size=1):
+            raise RuntimeError("boom")
+    assert open_log(path).attrs["status"] == "failed: boom"
+    RunLog.null().step(1, loss=0, samples=0, samples_per_s=0)  # writes nothing, no error
+
+
+def test_open_log_rejects_foreign_and_damaged_files(tmp_path):
+    with pytest.raises(LogError, match="no such file"):
+        open_log(tmp_path / "missing.h5")
+    (tmp_path / "text.h5").write_text("hello")
+    with pytest.raises(LogError, match="not a readable HDF5 file"):
+        open_log(tmp_path / "text.h5")
+    with h5py.File(tmp_path / "foreign.h5", "w") as f:
+        f["x"] = [1, 2]
+    with pytest.raises(LogError, match="not an mpipipe run log"):
+        open_log(tmp_path / "foreign.h5")
+    RunLog(tmp_path / "cut.h5", system="mpipipe", config={}, comm_size=1).close()
+    with h5py.File(tmp_path / "cut.h5", "a") as f:
+        del f["events"]
+    with pytest.raises(LogError, match="group /events is missing"):
+        open_log(tmp_path / "cut.h5")
+
+
+def test_open_log_reads_a_log_cut_mid_row(tmp_path):
+    path = tmp_path / "cut.h5"
+    log = RunLog(path, system="mpipipe", config={}, comm_size=1)
+    for s in (1, 2):
+        log.step(s, loss=0.5, samples=4, samples_per_s=1.0)
+    log._file["steps"]["step"].resize((3,))  # a kill between two column writes
+    log._file.flush()
+    run = open_log(path)
+    assert run.attrs["status"] == "running"
+    assert len(run.steps["step"]) == len(run.steps["loss"]) == 2
