@@ -28,8 +28,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, system: str) -> None
     """Add the options every training command shares."""
     parser.add_argument(
         "--config", metavar="FILE",
-        help=f"TOML configuration (examples in jobs/configs/); omitted keys take the defaults "
-             f"listed by `python -m {system} defaults`",
+        help="TOML configuration (examples in jobs/configs/; every key and its default is listed "
+             "in docs/configuration.md); omitted keys take their defaults",
     )
     parser.add_argument(
         "--set", metavar="KEY=VALUE", action="append", default=[],
