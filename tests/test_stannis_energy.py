@@ -1,0 +1,79 @@
+"""Energy meters (RAPL with wrap-around, power model) and the CSD emulation."""
+
+from pathlib import Path
+
+import pytest
+
+from stannis.csd import CsdProfile, Stretch
+from stannis.energy import EnergyError, PowerModel, Rapl, make_meter
+
+
+def _fake_rapl(root: Path, uj: int, max_uj: int = 1_000_000) -> Path:
+    d = root / "intel-rapl:0"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "energy_uj").write_text(f"{uj}\n")
+    (d / "max_energy_range_uj").write_text(f"{max_uj}\n")
+    sub = root / "intel-rapl:0:0"  # a sub-domain (core), counted inside the package
+    sub.mkdir(exist_ok=True)
+    (sub / "energy_uj").write_text("5\n")
+    (sub / "max_energy_range_uj").write_text(f"{max_uj}\n")
+    return d
+
+
+def test_power_model_charges_idle_all_step_and_active_while_busy() -> None:
+    m = PowerModel(idle_w=5.0, active_w=10.0)
+    assert m.joules(wall_s=2.0, busy_s=0.5) == pytest.approx(5 * 2 + 5 * 0.5)
+    assert m.joules(wall_s=1.0, busy_s=3.0) == pytest.approx(10.0)  # busy capped at wall
+    with pytest.raises(EnergyError, match="idle_w"):
+        PowerModel(10.0, 5.0)
+
+
+def test_rapl_reads_packages_only_and_handles_wrap(tmp_path: Path) -> None:
+    d = _fake_rapl(tmp_path, 999_000)
+    rapl = Rapl.open(tmp_path)
+    assert rapl is not None and rapl.domains == [d]
+    before = rapl.read_uj()
+    (d / "energy_uj").write_text("1000\n")  # wrapped past 1_000_000
+    assert rapl.joules_between(before, rapl.read_uj()) == pytest.approx(0.002)
+
+
+def test_meter_sources(tmp_path: Path) -> None:
+    model = PowerModel(1.0, 2.0)
+    assert make_meter(model, "auto", root=tmp_path).source == "model"  # nothing readable
+    with pytest.raises(EnergyError, match="rapl"):
+        make_meter(model, "rapl", root=tmp_path)
+    with pytest.raises(EnergyError, match="choose one"):
+        make_meter(model, "solar", root=tmp_path)
+    d = _fake_rapl(tmp_path, 0)
+    host = make_meter(model, "auto", root=tmp_path)
+    assert host.source == "rapl"
+    # An emulated CSD never reads the host package's counter.
+    assert make_meter(model, "auto", emulated=True, root=tmp_path).source == "model"
+    host.start()
+    (d / "energy_uj").write_text("3000000\n")
+    assert host.stop(busy_s=0.0) == pytest.approx(3.0)
+
+
+def test_model_meter_uses_wall_and_busy_time() -> None:
+    meter = make_meter(PowerModel(0.0, 100.0), "model")
+    meter.start()
+    assert meter.stop(busy_s=0.0) == 0.0
+
+
+def test_stretch_sleeps_for_the_extra_time() -> None:
+    slept = []
+    s = Stretch(8.0, sleep=slept.append)
+    assert s.apply(0.01) == pytest.approx(0.08)
+    assert slept == [pytest.approx(0.07)]
+    s.slow_by(2.0)
+    assert s.factor == 16.0
+    assert Stretch(1.0, sleep=slept.append).apply(0.5) == 0.5 and len(slept) == 1
+
+
+def test_csd_profile_checks_and_describes_itself() -> None:
+    p = CsdProfile(slowdown=8.0, threads=1, idle_w=5.0, active_w=10.0)
+    assert p.describe() == {"slowdown": 8.0, "threads": 1, "idle_w": 5.0, "active_w": 10.0,
+                            "emulated": True}
+    assert p.power == PowerModel(5.0, 10.0)
+    with pytest.raises(ValueError, match="slowdown"):
+        CsdProfile(slowdown=0.5)
