@@ -1,0 +1,259 @@
+#!/usr/bin/env bash
+# End-to-end test of the Slurm job scripts on a private one-node cluster.
+#
+# `make test-slurm` runs this after the venv is installed. It installs
+# Debian's slurm-wlm and munge if they are missing, starts a private munged,
+# slurmctld and slurmd (config from tests/slurm/slurm.conf.in, every pid,
+# state and log file in a temporary directory), submits jobs/respipe.sbatch
+# (with an injected stage kill) and jobs/stannis.sbatch, waits for both with a
+# time limit, asserts that both COMPLETED and that their HDF5 logs hold the
+# expected steps (and, for ResPipe, a failover event), and stops every daemon
+# it started by process id, whatever happens (trap EXIT).
+#
+# Knobs (environment): MPIPIPE_VENV (default .venv), SLURM_TEST_TIMEOUT
+# (seconds to wait for both jobs, default 900), SLURM_TEST_KEEP=1 (keep the
+# state directory for debugging), RESPIPE_SBATCH / STANNIS_SBATCH /
+# SLURM_TEST_CHECK_LOGS=0 (point at other scripts to debug the bring-up).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$ROOT"
+VENV=${MPIPIPE_VENV:-$ROOT/.venv}
+PY=$VENV/bin/python
+TIMEOUT_S=${SLURM_TEST_TIMEOUT:-900}
+RESPIPE_SBATCH=${RESPIPE_SBATCH:-jobs/respipe.sbatch}
+STANNIS_SBATCH=${STANNIS_SBATCH:-jobs/stannis.sbatch}
+CHECK_LOGS=${SLURM_TEST_CHECK_LOGS:-1}
+
+# Small runs: the expected step counts are checked in the HDF5 logs.
+RESPIPE_STEPS=${RESPIPE_STEPS:-30}
+STANNIS_STEPS=${STANNIS_STEPS:-20}
+RESPIPE_ARGS=(jobs/configs/respipe-digits.toml
+              --set "run.steps=$RESPIPE_STEPS"
+              --inject "kill:stage=1:step=10")
+STANNIS_ARGS=(jobs/configs/stannis-digits.toml
+              --set "run.steps=$STANNIS_STEPS")
+
+T0=$(date +%s)
+say() { printf '[test-slurm %4ds] %s\n' "$(($(date +%s) - T0))" "$*"; }
+die() { say "FAIL: $*" >&2; exit 1; }
+
+[[ -x $PY ]] || die "no Python at $PY: run 'make install' first or set MPIPIPE_VENV"
+
+# --- 1. install Slurm and munge (first time only) ---------------------------
+install_packages() {
+    local missing=()
+    for tool in munged mungekey slurmctld slurmd sbatch scontrol; do
+        command -v "$tool" >/dev/null || missing+=("$tool")
+    done
+    ((${#missing[@]} == 0)) && return 0
+    say "installing slurm-wlm and munge (missing: ${missing[*]})"
+    [[ $(id -u) == 0 ]] || die "installing Slurm needs root; install slurm-wlm and munge, then rerun"
+    # Packages must not start the system's own daemons: this test starts its
+    # own and stops only those. policy-rc.d (exit 101) tells invoke-rc.d so.
+    local policy=/usr/sbin/policy-rc.d made_policy=0
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && made_policy=1
+    fi
+    local rc=0
+    { DEBIAN_FRONTEND=noninteractive apt-get update -q &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+          slurm-wlm munge </dev/null; } >"${TMPDIR:-/tmp}/test-slurm-apt.log" 2>&1 || rc=$?
+    ((made_policy)) && rm -f "$policy"
+    if ((rc != 0)); then
+        tail -n 30 "${TMPDIR:-/tmp}/test-slurm-apt.log" >&2
+        die "apt-get install slurm-wlm munge failed (log above)"
+    fi
+    say "installed: slurm-wlm $(dpkg-query -W -f '${Version}' slurm-wlm)"
+}
+install_packages
+
+# --- 2. the demo data (made once, shared with make demo) ---------------------
+if [[ $CHECK_LOGS == 1 && ! -d data/digits ]]; then
+    say "converting the digits data set into data/digits"
+    "$PY" -m native.convert digits data/digits
+fi
+
+# --- 3. a private cluster in a temporary directory ---------------------------
+STATE=$(mktemp -d "${TMPDIR:-/tmp}/mpipipe-slurm.XXXXXX")
+mkdir -p "$STATE"/{munge,ctld,slurmd,log}
+# munged wants its socket directory searchable by all; the key itself is 0400.
+chmod 755 "$STATE" "$STATE/munge"
+PIDS=()
+JOBS=()
+
+stop_daemons() {
+    local rc=$?
+    trap - EXIT INT TERM
+    set +e
+    if ((${#JOBS[@]})) && [[ -n ${SLURM_CONF:-} ]]; then
+        # Jobs still running (timeout, error) are cancelled while slurmd is
+        # alive to signal their processes.
+        scancel "${JOBS[@]}" 2>/dev/null
+        for _ in $(seq 30); do
+            [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break
+            sleep 0.5
+        done
+    fi
+    # Reverse start order: slurmd, slurmctld, then munged.
+    local i pid
+    for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
+        pid=${PIDS[i]}
+        kill -TERM "$pid" 2>/dev/null || continue
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+        if kill -0 "$pid" 2>/dev/null; then
+            say "daemon $pid ignored SIGTERM; sending SIGKILL"
+            kill -KILL "$pid" 2>/dev/null
+        fi
+        wait "$pid" 2>/dev/null
+    done
+    ((${#PIDS[@]})) && say "stopped daemons ${PIDS[*]}"
+    if [[ ${SLURM_TEST_KEEP:-0} == 1 || $rc != 0 ]]; then
+        say "daemon logs and state kept in $STATE"
+    else
+        rm -rf "$STATE"
+    fi
+    exit "$rc"
+}
+trap stop_daemons EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+free_port() {
+    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+NODE=$(hostname -s)
+CPUS=$(nproc)
+CTLD_PORT=$(free_port)
+SLURMD_PORT=$(free_port)
+while [[ $SLURMD_PORT == "$CTLD_PORT" ]]; do SLURMD_PORT=$(free_port); done
+# Job ids name the run directories (runs/<id>/), and a fresh cluster counts
+# from 1 again: start past every id already used under runs/.
+FIRST_JOB_ID=$(
+    shopt -s nullglob
+    max=0
+    for f in runs/*; do
+        f=${f#runs/}; f=${f%.out}; f=${f##*-}
+        [[ $f =~ ^[0-9]+$ ]] && ((10#$f > max)) && max=$((10#$f))
+    done
+    echo $((max + 1))
+)
+sed -e "s|@NODE@|$NODE|g" -e "s|@FIRST_JOB_ID@|$FIRST_JOB_ID|g" -e "s|@CPUS@|$CPUS|g" -e "s|@STATE@|$STATE|g" \
+    -e "s|@CTLD_PORT@|$CTLD_PORT|g" -e "s|@SLURMD_PORT@|$SLURMD_PORT|g" \
+    tests/slurm/slurm.conf.in >"$STATE/slurm.conf"
+export SLURM_CONF=$STATE/slurm.conf
+
+# munged: its own key, socket, pid, log and seed files; run in the
+# foreground (-F) so that $! is the daemon itself.
+mungekey --create --keyfile="$STATE/munge/munge.key" --force
+chmod 400 "$STATE/munge/munge.key"
+munged -F --force --key-file="$STATE/munge/munge.key" \
+    --socket="$STATE/munge/munge.socket" --pid-file="$STATE/munge/munged.pid" \
+    --log-file="$STATE/log/munged.log" --seed-file="$STATE/munge/munged.seed" \
+    </dev/null >>"$STATE/log/munged.out" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 50); do [[ -S $STATE/munge/munge.socket ]] && break; sleep 0.2; done
+[[ -S $STATE/munge/munge.socket ]] || { cat "$STATE"/log/munged.* >&2; die "munged did not start"; }
+
+slurmctld -D -i -f "$SLURM_CONF" </dev/null >>"$STATE/log/slurmctld.out" 2>&1 &
+PIDS+=($!)
+slurmd -D -N "$NODE" -f "$SLURM_CONF" </dev/null >>"$STATE/log/slurmd.out" 2>&1 &
+PIDS+=($!)
+say "started munged, slurmctld, slurmd (pids ${PIDS[*]}; state in $STATE)"
+
+show_logs() {
+    local f
+    for f in "$STATE"/log/*; do
+        echo "----- $f (last 40 lines)"
+        tail -n 40 "$f"
+    done >&2
+}
+
+node_state=""
+for _ in $(seq 120); do
+    node_state=$(sinfo -h -n "$NODE" -o %T 2>/dev/null || true)
+    [[ $node_state == idle* ]] && break
+    sleep 0.5
+done
+[[ $node_state == idle* ]] || { show_logs; die "node $NODE not idle after 60 s (state: '${node_state:-no answer}')"; }
+say "cluster up: node $NODE idle with $CPUS CPUs"
+
+# --- 4. submit both job scripts ----------------------------------------------
+mkdir -p runs
+submit() {  # submit SBATCH-ARGS... -> job id (in a subshell: the caller records it)
+    local id
+    id=$(sbatch --parsable "$@") || die "sbatch $* failed"
+    echo "${id%%;*}"
+}
+# One after the other: two cores cannot run both without making ResPipe's
+# deadlines fire for the wrong reason.
+RESPIPE_JOB=$(submit "$RESPIPE_SBATCH" "${RESPIPE_ARGS[@]}")
+JOBS=("$RESPIPE_JOB")
+STANNIS_JOB=$(submit --dependency="afterany:$RESPIPE_JOB" "$STANNIS_SBATCH" "${STANNIS_ARGS[@]}")
+JOBS+=("$STANNIS_JOB")
+say "submitted respipe job $RESPIPE_JOB and stannis job $STANNIS_JOB"
+
+# --- 5. wait for both, with a time limit ------------------------------------
+job_field() {  # job_field ID FIELD -> value from `scontrol show job`
+    scontrol show job -o "$1" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$2=//p" | head -n 1
+}
+is_final() {
+    case $1 in
+        COMPLETED | FAILED | CANCELLED* | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | \
+        PREEMPTED | BOOT_FAIL | DEADLINE) return 0 ;;
+        *) return 1 ;;
+    esac
+}
+
+declare -A FINAL=()
+last=""
+deadline=$(($(date +%s) + TIMEOUT_S))
+while :; do
+    line=""
+    for id in "${JOBS[@]}"; do
+        state=$(job_field "$id" JobState)
+        is_final "$state" && FINAL[$id]=$state
+        line+="$id:${state:-?} "
+    done
+    [[ $line != "$last" ]] && say "jobs ${line% }"
+    last=$line
+    ((${#FINAL[@]} == ${#JOBS[@]})) && break
+    if (($(date +%s) > deadline)); then
+        squeue >&2 || true
+        show_logs
+        for id in "${JOBS[@]}"; do
+            out=$(job_field "$id" StdOut)
+            [[ -f $out ]] && { echo "----- $out"; tail -n 60 "$out"; } >&2
+        done
+        die "jobs not finished after $TIMEOUT_S s"
+    fi
+    sleep 2
+done
+say "both jobs finished"
+
+# --- 6. assert: both COMPLETED, logs hold the expected steps -----------------
+failed=0
+for id in "${JOBS[@]}"; do
+    out=$(job_field "$id" StdOut)
+    if [[ ${FINAL[$id]} != COMPLETED ]]; then
+        failed=1
+        say "job $id ended ${FINAL[$id]} (exit $(job_field "$id" ExitCode)); its output $out:"
+        if [[ -f $out ]]; then cat "$out" >&2; else echo "(no output file)" >&2; fi
+    fi
+done
+((failed == 0)) || { show_logs; die "not every job COMPLETED"; }
+
+if [[ $CHECK_LOGS == 1 ]]; then
+    if ! PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PY" tests/slurm/check_logs.py \
+            --respipe "runs/$RESPIPE_JOB/respipe.h5" --respipe-steps "$RESPIPE_STEPS" \
+            --stannis "runs/$STANNIS_JOB/stannis.h5" --stannis-steps "$STANNIS_STEPS"; then
+        for id in "${JOBS[@]}"; do
+            out=$(job_field "$id" StdOut)
+            echo "----- $out" >&2
+            cat "$out" >&2 || true
+        done
+        die "the HDF5 logs do not hold what the jobs should have written"
+    fi
+fi
+say "PASS: respipe job $RESPIPE_JOB and stannis job $STANNIS_JOB completed; logs in runs/$RESPIPE_JOB and runs/$STANNIS_JOB"
