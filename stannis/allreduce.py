@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
 from mpi4py import MPI
+
+from mpipipe.transport import FIRST_SLEEP_S, MAX_SLEEP_S, SPIN_S
 
 
 class WeightedAllreduce:
@@ -18,6 +21,9 @@ class WeightedAllreduce:
     one flat buffer whose slices (buckets) each go through one in-place
     ``Allreduce`` on the buffer API, so nothing is pickled. The weight itself
     rides in the last slot of the last bucket, so the total costs no extra call.
+    All buckets are started as non-blocking ``Iallreduce`` and waited for with
+    the transport's back-off, because a blocking collective busy-polls and would
+    steal the core of the rank still computing on an oversubscribed machine.
 
     A rank whose batch is empty passes ``weight=0`` (its gradients may be
     ``None``) and still takes part in every collective.
@@ -50,6 +56,7 @@ class WeightedAllreduce:
                         for s in range(0, total + 1, per_bucket)]
         self.bytes_sent = 0
         self.calls = 0
+        self.wait_s = 0.0
 
     @property
     def payload_bytes(self) -> int:
@@ -76,11 +83,13 @@ class WeightedAllreduce:
             else:
                 torch.mul(p.grad.reshape(-1), float(weight), out=flat[off:off + n])
         flat[-1] = float(weight)
+        requests = []
         for start, stop in self.buckets:
             view = self._buf[start:stop]
-            self.comm.Allreduce(MPI.IN_PLACE, [view, MPI.FLOAT], op=MPI.SUM)
+            requests.append(self.comm.Iallreduce(MPI.IN_PLACE, [view, MPI.FLOAT], op=MPI.SUM))
             self.bytes_sent += view.nbytes
             self.calls += 1
+        self._wait(requests)
         total = float(self._buf[-1])
         if total > 0:
             flat[:-1].div_(total)
@@ -93,8 +102,20 @@ class WeightedAllreduce:
                 p.grad.copy_(src)
         return total
 
+    def _wait(self, requests: list[MPI.Request]) -> None:
+        start = time.perf_counter()
+        try:
+            for request in requests:
+                while not request.Test():
+                    waited = time.perf_counter() - start
+                    if waited > SPIN_S:
+                        time.sleep(min(MAX_SLEEP_S, max(FIRST_SLEEP_S, waited / 10)))
+        finally:
+            self.wait_s += time.perf_counter() - start
+
     def reset_counters(self) -> None:
-        """Zero the byte and call counters (the log reports them per step)."""
+        """Zero the byte, call and wait counters (the log reports them per step)."""
         self.bytes_sent = 0
         self.calls = 0
+        self.wait_s = 0.0
 
