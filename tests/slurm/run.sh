@@ -10,10 +10,14 @@
 # expected steps (and, for ResPipe, a failover event), and stops every daemon
 # it started by process id, whatever happens (trap EXIT).
 #
+# A third job launches the training CLI with a bare `srun` (no PMI: N
+# singletons) and must fail with the world-size message instead of training.
+#
 # Knobs (environment): MPIPIPE_VENV (default .venv), SLURM_TEST_TIMEOUT
-# (seconds to wait for both jobs, default 900), SLURM_TEST_KEEP=1 (keep the
-# state directory for debugging), RESPIPE_SBATCH / STANNIS_SBATCH /
-# SLURM_TEST_CHECK_LOGS=0 (point at other scripts to debug the bring-up).
+# (seconds to wait for the jobs, default 900), SLURM_TEST_KEEP=1 (keep the
+# state directory for debugging). To debug the cluster bring-up alone:
+# RESPIPE_SBATCH / STANNIS_SBATCH name other scripts and SLURM_TEST_SMOKE=1
+# skips the data, the log checks and the no-PMI job.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -23,7 +27,7 @@ PY=$VENV/bin/python
 TIMEOUT_S=${SLURM_TEST_TIMEOUT:-900}
 RESPIPE_SBATCH=${RESPIPE_SBATCH:-jobs/respipe.sbatch}
 STANNIS_SBATCH=${STANNIS_SBATCH:-jobs/stannis.sbatch}
-CHECK_LOGS=${SLURM_TEST_CHECK_LOGS:-1}
+SMOKE=${SLURM_TEST_SMOKE:-0}
 
 # Small runs: the expected step counts are checked in the HDF5 logs.
 RESPIPE_STEPS=${RESPIPE_STEPS:-30}
@@ -69,12 +73,13 @@ install_packages() {
 install_packages
 
 # --- 2. the demo data (made once, shared with make demo) ---------------------
-if [[ $CHECK_LOGS == 1 && ! -d data/digits ]]; then
+if [[ $SMOKE == 0 && ! -d data/digits ]]; then
     say "converting the digits data set into data/digits"
     "$PY" -m native.convert digits data/digits
 fi
 
 # --- 3. a private cluster in a temporary directory ---------------------------
+T_CLUSTER=$(date +%s)
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/mpipipe-slurm.XXXXXX")
 mkdir -p "$STATE"/{munge,ctld,slurmd,log}
 # munged wants its socket directory searchable by all; the key itself is 0400.
@@ -177,9 +182,10 @@ for _ in $(seq 120); do
     sleep 0.5
 done
 [[ $node_state == idle* ]] || { show_logs; die "node $NODE not idle after 60 s (state: '${node_state:-no answer}')"; }
+T_UP=$(date +%s)
 say "cluster up: node $NODE idle with $CPUS CPUs"
 
-# --- 4. submit both job scripts ----------------------------------------------
+# --- 4. submit the jobs -------------------------------------------------------
 mkdir -p runs
 submit() {  # submit SBATCH-ARGS... -> job id (in a subshell: the caller records it)
     local id
@@ -188,11 +194,26 @@ submit() {  # submit SBATCH-ARGS... -> job id (in a subshell: the caller records
 }
 # One after the other: two cores cannot run both without making ResPipe's
 # deadlines fire for the wrong reason.
+declare -A EXPECT=()
 RESPIPE_JOB=$(submit "$RESPIPE_SBATCH" "${RESPIPE_ARGS[@]}")
 JOBS=("$RESPIPE_JOB")
+EXPECT[$RESPIPE_JOB]=COMPLETED
 STANNIS_JOB=$(submit --dependency="afterany:$RESPIPE_JOB" "$STANNIS_SBATCH" "${STANNIS_ARGS[@]}")
 JOBS+=("$STANNIS_JOB")
+EXPECT[$STANNIS_JOB]=COMPLETED
 say "submitted respipe job $RESPIPE_JOB and stannis job $STANNIS_JOB"
+if [[ $SMOKE == 0 ]]; then
+    # With no PMI, srun starts 3 copies that each think they are rank 0 of 1:
+    # the CLI must refuse to train them (exit 2, world-size message).
+    NO_PMI_JOB=$(submit --job-name=no-pmi --nodes=1 --ntasks=3 --overcommit --time=5 \
+        --output="$STATE/%x-%j.out" --dependency="afterany:$STANNIS_JOB" \
+        --wrap="export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1;
+                exec srun '$PY' -m mpipipe train --config jobs/configs/respipe-digits.toml \
+                    --log '$STATE/no-pmi.h5' --quiet")
+    JOBS+=("$NO_PMI_JOB")
+    EXPECT[$NO_PMI_JOB]=FAILED
+    say "submitted no-PMI job $NO_PMI_JOB (bare srun; must fail)"
+fi
 
 # --- 5. wait for both, with a time limit ------------------------------------
 job_field() {  # job_field ID FIELD -> value from `scontrol show job`
@@ -230,21 +251,29 @@ while :; do
     fi
     sleep 2
 done
-say "both jobs finished"
+say "all jobs finished"
 
-# --- 6. assert: both COMPLETED, logs hold the expected steps -----------------
+# --- 6. assert: jobs ended as expected, logs hold the expected steps ---------
 failed=0
 for id in "${JOBS[@]}"; do
     out=$(job_field "$id" StdOut)
-    if [[ ${FINAL[$id]} != COMPLETED ]]; then
+    if [[ ${FINAL[$id]} != "${EXPECT[$id]}" ]]; then
         failed=1
-        say "job $id ended ${FINAL[$id]} (exit $(job_field "$id" ExitCode)); its output $out:"
+        say "job $id ended ${FINAL[$id]} (exit $(job_field "$id" ExitCode)), expected ${EXPECT[$id]}; its output $out:"
         if [[ -f $out ]]; then cat "$out" >&2; else echo "(no output file)" >&2; fi
     fi
 done
-((failed == 0)) || { show_logs; die "not every job COMPLETED"; }
+((failed == 0)) || { show_logs; die "not every job ended as expected"; }
+if [[ -n ${NO_PMI_JOB:-} ]]; then
+    out=$(job_field "$NO_PMI_JOB" StdOut)
+    if ! grep -q "did not join one MPI job" "$out" || [[ -e $STATE/no-pmi.h5 ]]; then
+        cat "$out" >&2
+        die "a bare srun launch (no PMI) was not refused with the world-size message"
+    fi
+    say "no-PMI job $NO_PMI_JOB refused as expected: $(grep -m1 'did not join' "$out")"
+fi
 
-if [[ $CHECK_LOGS == 1 ]]; then
+if [[ $SMOKE == 0 ]]; then
     if ! PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PY" tests/slurm/check_logs.py \
             --respipe "runs/$RESPIPE_JOB/respipe.h5" --respipe-steps "$RESPIPE_STEPS" \
             --stannis "runs/$STANNIS_JOB/stannis.h5" --stannis-steps "$STANNIS_STEPS"; then
@@ -257,3 +286,4 @@ if [[ $CHECK_LOGS == 1 ]]; then
     fi
 fi
 say "PASS: respipe job $RESPIPE_JOB and stannis job $STANNIS_JOB completed; logs in runs/$RESPIPE_JOB and runs/$STANNIS_JOB"
+say "time from cold start: $(($(date +%s) - T_CLUSTER)) s (cluster up in $((T_UP - T_CLUSTER)) s)"
