@@ -1,0 +1,204 @@
+"""Communication-cost model of the plain pipeline and of ResPipe: bytes per step and updates a takeover can lose.
+
+Our reconstruction (the paper's formula is not available): every byte a run
+counts is a payload the transport sends, so the model adds up payloads.
+
+- Plain pipeline: for every stage boundary, each sample's activation goes
+  forward and the gradient of the same shape comes back, so a boundary costs
+  ``2 * batch * act_bytes`` per step (micro-batching splits, not adds). Labels,
+  if the engine sends them from stage 0 to the last stage, add
+  ``batch * label_bytes``.
+- Replicas: a backup (or, in neighbour mode, the neighbouring stage) receives
+  its stage's parameters and optimizer state every R steps:
+  ``(param_bytes + state_bytes) / R`` per step per replica holder.
+- Hot mode: the stage also relays to each backup the activations it receives
+  (input) and the gradients of its output, so the backup mirrors every
+  update: ``batch * (act_in + act_out)`` per step per backup.
+
+A takeover loses at most R - 1 optimizer updates of the failed stage in cold
+and neighbour modes (0 at R = 1), and none in hot mode, whose backup applies
+every update itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "StageShape",
+    "Cost",
+    "predict",
+    "lost_updates",
+    "state_bytes",
+    "trade_off",
+    "format_table",
+    "MODES",
+]
+
+MODES = ("cold", "hot", "neighbour")
+DEFAULT_R = (1, 2, 5, 10, 20, 50, 100)
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What one stage costs to talk to: its output activation and its replica.
+
+    ``act_out`` is bytes per sample of the activation it sends forward (0 for
+    the last stage); ``params`` and ``state`` are the bytes of its parameters
+    and of the optimizer state that a replica carries with them.
+    """
+
+    act_out: int
+    params: int
+    state: int = 0
+
+    @property
+    def replica(self) -> int:
+        return self.params + self.state
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted payload bytes per optimizer step, summed over all ranks, and the loss bound."""
+
+    pipeline: float
+    labels: float
+    replica: float
+    shadow: float
+    lost_updates: int
+    per_holder: Mapping[int, float] = field(default_factory=dict)
+
+    @property
+    def plain(self) -> float:
+        return self.pipeline + self.labels
+
+    @property
+    def total(self) -> float:
+        return self.pipeline + self.labels + self.replica + self.shadow
+
+    @property
+    def overhead(self) -> float:
+        """ResPipe's extra bytes as a fraction of the plain pipeline's."""
+        return (self.replica + self.shadow) / self.plain if self.plain else math.inf
+
+
+def state_bytes(param_bytes: int, n_tensors: int, optim: str, momentum: float = 0.0) -> int:
+    """Bytes of optimizer state a replica carries (the layout used by resilience's replicas).
+
+    SGD with momentum keeps one buffer per parameter, SGD without none; Adam
+    keeps two moments per parameter and one float32 step count per tensor.
+
+    Raises:
+        ValueError: an optimizer the replicas do not know how to carry.
+    """
+    if optim == "sgd":
+        return param_bytes if momentum else 0
+    if optim == "adam":
+        return 2 * param_bytes + 4 * n_tensors
+    raise ValueError(f"optimizer {optim!r}: replicas know sgd and adam")
+
+
+def lost_updates(replicate_every: int, mode: str) -> int:
+    """The most optimizer updates of the failed stage a takeover can lose."""
+    if mode == "hot" or replicate_every <= 1:
+        return 0
+    return replicate_every - 1
+
+
+def _check(stages: Sequence[StageShape], backups: Mapping[int, int], replicate_every: int,
+           mode: str, batch_size: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    if replicate_every < 1:
+        raise ValueError(f"replicate_every = {replicate_every}: must be >= 1")
+    if batch_size < 1:
+        raise ValueError(f"batch_size = {batch_size}: must be >= 1")
+    for k in backups:
+        if not 0 <= int(k) < len(stages):
+            raise ValueError(f"backups name stage {k}, but stages are 0..{len(stages) - 1}")
+
+
+def predict(
+    stages: Sequence[StageShape],
+    *,
+    batch_size: int,
+    backups: Mapping[int, int] | None = None,
+    replicate_every: int = 1,
+    mode: str = "cold",
+    label_bytes: int = 0,
+) -> Cost:
+    """Predicted bytes per step for a K-stage pipeline (plain if ``backups`` is empty).
+
+    ``backups`` maps stage -> number of backups; in neighbour mode it names the
+    protected stages and the count is ignored (one neighbour holds the replica).
+    ``label_bytes`` is bytes per sample of labels sent to the last stage (0 if
+    the last stage reads its own labels).
+
+    Raises:
+        ValueError: an unknown mode, R < 1, or a backup for a stage that does not exist.
+    """
+    backups = {int(k): int(v) for k, v in (backups or {}).items() if int(v) > 0}
+    _check(stages, backups, replicate_every, mode, batch_size)
+    k_last = len(stages) - 1
+    pipeline = float(sum(2 * batch_size * s.act_out for s in stages[:k_last]))
+    labels = float(batch_size * label_bytes) if k_last > 0 else 0.0
+    replica = shadow = 0.0
+    per_holder: dict[int, float] = {}
+    for k, count in sorted(backups.items()):
+        holders = 1 if mode == "neighbour" else count
+        rep = holders * stages[k].replica / replicate_every
+        sh = 0.0
+        if mode == "hot":
+            act_in = stages[k - 1].act_out if k > 0 else 0
+            act_out = stages[k].act_out if k < k_last else 0
+            sh = count * batch_size * (act_in + act_out)
+        replica += rep
+        shadow += sh
+        per_holder[k] = rep + sh
+    lost = lost_updates(replicate_every, mode) if backups else 0
+    return Cost(pipeline, labels, replica, shadow, lost, per_holder)
+
+
+def trade_off(
+    stages: Sequence[StageShape],
+    *,
+    batch_size: int,
+    backups: Mapping[int, int],
+    modes: Sequence[str] = ("cold", "hot"),
+    rs: Sequence[int] = DEFAULT_R,
+    label_bytes: int = 0,
+) -> list[dict[str, Any]]:
+    """One row per (mode, R): bytes per step, overhead over the plain pipeline, updates at risk."""
+    rows = []
+    for mode in modes:
+        for r in rs:
+            c = predict(stages, batch_size=batch_size, backups=backups, replicate_every=r,
+                        mode=mode, label_bytes=label_bytes)
+            rows.append({"mode": mode, "R": r, "plain_bytes": c.plain, "respipe_bytes": c.total,
+                         "replica_bytes": c.replica, "shadow_bytes": c.shadow,
+                         "overhead": c.overhead, "lost_updates": c.lost_updates})
+    return rows
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f}"
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The trade-off table as aligned text (what ``python -m mpipipe cost`` prints)."""
+    head = ("mode", "R", "plain/step", "respipe/step", "replica/step", "shadow/step", "overhead",
+            "max lost updates")
+    body = [(r["mode"], str(r["R"]), _size(r["plain_bytes"]), _size(r["respipe_bytes"]),
+             _size(r["replica_bytes"]), _size(r["shadow_bytes"]), f"{100 * r['overhead']:.1f}%",
+             str(r["lost_updates"])) for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths, strict=True)) for b in body]
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""ULFM helpers: is fault tolerance on, which peers failed, and revoke/shrink/agree that never raise on their own."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = [
+    "ulfm_enabled",
+    "startup_note",
+    "is_proc_failed",
+    "is_revoked",
+    "error_class",
+    "revoke",
+    "shrink",
+    "agree",
+    "failed_ranks",
+    "lost_ranks",
+]
+
+
+def ulfm_enabled(env: dict[str, str] | None = None) -> bool:
+    """True when the job runs under ``mpirun --with-ft ulfm``.
+
+    Why the environment: Open MPI exports ``OMPI_MCA_mpi_ft_enable=1`` to every
+    rank it launches with ULFM, and nothing in the MPI API says so portably.
+    Without ULFM a dead rank makes ``mpirun`` abort the job, and ``Comm.Agree``
+    hangs, so resilience must know before it relies on them.
+    """
+    env = os.environ if env is None else env
+    return env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def startup_note(enabled: bool | None = None) -> str:
+    """The one line printed at start-up about which failures can be handled."""
+    if ulfm_enabled() if enabled is None else enabled:
+        return ("resilience: ULFM on (mpirun --with-ft ulfm): dead ranks are detected by MPI, "
+                "late ranks by deadline")
+    return ("resilience: ULFM off: only late (stalled) ranks are detected, by deadline; a dead rank "
+            "stops the job (run mpirun --with-ft ulfm to survive it)")
+
+
+def error_class(exc: BaseException) -> int | None:
+    """The MPI error class of an ``MPI.Exception``, or None for anything else."""
+    get = getattr(exc, "Get_error_class", None)
+    if get is None:
+        return None
+    try:
+        return int(get())
+    except Exception:  # noqa: BLE001 - a broken exception object is simply not an MPI error
+        return None
+
+
+def is_proc_failed(exc: BaseException) -> bool:
+    """True if ``exc`` reports a failed peer (MPIX_ERR_PROC_FAILED or ..._PENDING)."""
+    from mpi4py import MPI
+
+    cls = error_class(exc)
+    return cls is not None and cls in (
+        getattr(MPI, "ERR_PROC_FAILED", -1), getattr(MPI, "ERR_PROC_FAILED_PENDING", -1))
+
+
+def is_revoked(exc: BaseException) -> bool:
+    """True if ``exc`` says the communicator was revoked by another survivor."""
+    from mpi4py import MPI
+
+    cls = error_class(exc)
+    return cls is not None and cls == getattr(MPI, "ERR_REVOKED", -2)
+
+
+def revoke(comm: Any) -> None:
+    """Revoke ``comm`` so that every survivor's pending operation on it fails at once.
+
+    Revoking twice, or a communicator some other rank already revoked, is fine.
+    """
+    try:
+        comm.Revoke()
+    except Exception:  # noqa: BLE001 - already revoked or ULFM off: nothing more to do
+        pass
+
+
+def shrink(comm: Any) -> Any:
+    """A new communicator of the survivors of ``comm`` (collective over survivors).
+
+    The result returns errors instead of aborting, like every communicator here.
+    """
+    from mpi4py import MPI
+
+    new = comm.Shrink()
+    new.Set_errhandler(MPI.ERRORS_RETURN)
+    return new
+
+
+def agree(comm: Any, flag: int = 1) -> tuple[int, bool]:
+    """Fault-tolerant agreement: the bitwise AND of ``flag`` over survivors, and whether all agreed.
+
+    ``Comm.Agree`` completes with the same outcome on every survivor, which is
+    what makes it safe to branch on: if a process failed and was not yet
+    acknowledged, every survivor sees the error (returned here as False) and
+    may acknowledge it and agree again.
+    """
+    try:
+        return int(comm.Agree(int(flag))), True
+    except Exception as e:  # noqa: BLE001
+        if is_proc_failed(e):
+            try:
+                comm.Ack_failed()
+            except Exception:  # noqa: BLE001
+                pass
+            return int(flag), False
+        raise
+
+
+def failed_ranks(comm: Any) -> list[int]:
+    """Ranks of ``comm`` that this process knows to have failed (ULFM ``Get_failed``)."""
+    try:
+        group = comm.Get_failed()
+    except Exception:  # noqa: BLE001 - ULFM off
+        return []
+    try:
+        if group.Get_size() == 0:
+            return []
+        return list(group.Translate_ranks(list(range(group.Get_size())), comm.Get_group()))
+    finally:
+        group.Free()
+
+
+def lost_ranks(old: Any, new: Any) -> list[int]:
+    """Ranks of ``old`` that are not members of ``new`` (what a shrink or exclusion removed)."""
+    from mpi4py import MPI
+
+    og, ng = old.Get_group(), new.Get_group()
+    try:
+        kept = ng.Translate_ranks(list(range(ng.Get_size())), og)
+    finally:
+        ng.Free()
+    gone = sorted(set(range(og.Get_size())) - {r for r in kept if r != MPI.UNDEFINED})
+    og.Free()
+    return gone

@@ -1,0 +1,196 @@
+"""Fault injection: parse ``kill``/``stall``/``delay``/``slow`` specs and fire them at the right step, seeded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Fault", "FaultError", "FaultPlan", "parse", "parse_all", "KINDS"]
+
+KINDS = ("kill", "stall", "delay", "slow")
+
+# Which keys each kind needs and accepts, with their types; the target is either
+# a stage (pipeline jobs) or a rank (any job), never both.
+_REQUIRED = {"kill": {"step"}, "stall": {"step"}, "delay": {"p", "seconds"}, "slow": {"factor"}}
+_OPTIONAL = {"kill": set(), "stall": {"seconds"}, "delay": {"step"}, "slow": {"step"}}
+_INT_KEYS = {"stage", "rank", "step"}
+_EXAMPLES = {
+    "kill": "kill:stage=1:step=20",
+    "stall": "stall:stage=1:step=20:seconds=5",
+    "delay": "delay:stage=1:p=0.1:seconds=0.5",
+    "slow": "slow:rank=2:step=10:factor=3",
+}
+DEFAULT_STALL_S = 5.0
+
+
+class FaultError(ValueError):
+    """A fault spec is malformed; the message quotes it and shows a correct example."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault.
+
+    ``kill``: SIGKILL the target's process at the start of ``step`` (a real crash).
+    ``stall``: the target stops responding (sleeps outside MPI) for ``seconds`` at ``step``.
+    ``delay``: at every step (from ``step``, default 0) the target sleeps ``seconds``
+    with probability ``p`` (seeded, so a run is repeatable).
+    ``slow``: from ``step`` on the target's compute takes ``factor`` times longer.
+    Steps are 0-based optimizer steps.
+    """
+
+    kind: str
+    stage: int | None = None
+    rank: int | None = None
+    step: int = 0
+    p: float = 0.0
+    seconds: float = 0.0
+    factor: float = 1.0
+
+    def targets(self, *, stage: int | None, rank: int) -> bool:
+        """True if this fault is aimed at the process playing ``stage`` on world ``rank``."""
+        if self.rank is not None:
+            return self.rank == rank
+        return stage is not None and self.stage == stage
+
+    def __str__(self) -> str:
+        where = f"stage={self.stage}" if self.stage is not None else f"rank={self.rank}"
+        extra = {"kill": f"step={self.step}",
+                 "stall": f"step={self.step}:seconds={self.seconds:g}",
+                 "delay": f"p={self.p:g}:seconds={self.seconds:g}",
+                 "slow": f"step={self.step}:factor={self.factor:g}"}[self.kind]
+        return f"{self.kind}:{where}:{extra}"
+
+
+def _fail(spec: str, why: str, kind: str | None = None) -> FaultError:
+    example = _EXAMPLES.get(kind or "", ", ".join(_EXAMPLES.values()))
+    return FaultError(f"fault spec {spec!r}: {why} (e.g. {example})")
+
+
+def parse(spec: str) -> Fault:
+    """Read one fault spec such as ``kill:stage=1:step=20``.
+
+    Raises:
+        FaultError: unknown kind or key, a missing or repeated key, a value that is
+            not a number, or a value out of range; the message shows a correct spec.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise _fail(str(spec), "empty")
+    parts = [p.strip() for p in spec.strip().split(":")]
+    kind = parts[0].lower()
+    if kind not in KINDS:
+        raise _fail(spec, f"unknown fault kind {parts[0]!r} (known: {', '.join(KINDS)})")
+    values: dict[str, float | int] = {}
+    for part in parts[1:]:
+        if "=" not in part:
+            raise _fail(spec, f"{part!r} is not key=value", kind)
+        key, raw = (s.strip().lower() for s in part.split("=", 1))
+        allowed = _REQUIRED[kind] | _OPTIONAL[kind] | {"stage", "rank"}
+        if key not in allowed:
+            raise _fail(spec, f"unknown key {key!r} for {kind} (allowed: {', '.join(sorted(allowed))})",
+                        kind)
+        if key in values:
+            raise _fail(spec, f"key {key!r} given twice", kind)
+        try:
+            values[key] = int(raw) if key in _INT_KEYS else float(raw)
+        except ValueError:
+            what = "an integer" if key in _INT_KEYS else "a number"
+            raise _fail(spec, f"{key}={raw!r} is not {what}", kind) from None
+    if ("stage" in values) == ("rank" in values):
+        raise _fail(spec, "name exactly one target, stage=K or rank=R", kind)
+    missing = _REQUIRED[kind] - set(values)
+    if missing:
+        raise _fail(spec, f"missing {', '.join(sorted(missing))}", kind)
+    for key in ("stage", "rank", "step"):
+        if key in values and values[key] < 0:
+            raise _fail(spec, f"{key} must be >= 0", kind)
+    if kind == "delay" and not 0.0 <= values["p"] <= 1.0:
+        raise _fail(spec, "p must be a probability in [0, 1]", kind)
+    if "seconds" in values and values["seconds"] < 0:
+        raise _fail(spec, "seconds must be >= 0", kind)
+    if kind == "slow" and values["factor"] < 1.0:
+        raise _fail(spec, "factor must be >= 1 (1 = normal speed)", kind)
+    if kind == "stall":
+        values.setdefault("seconds", DEFAULT_STALL_S)
+    return Fault(kind=kind, **{k: v for k, v in values.items()})  # type: ignore[arg-type]
+
+
+def parse_all(specs: Iterable[str]) -> list[Fault]:
+    """Parse every spec; the first bad one raises :class:`FaultError`."""
+    return [parse(s) for s in specs]
+
+
+class FaultPlan:
+    """The faults aimed at this process, fired by :meth:`at_step` from the training loop.
+
+    Every rank builds the same plan from the same config, so ranks agree on what
+    is injected without a message; random delays draw from a generator seeded by
+    (seed, target, step), so a replayed step straggles exactly as before.
+    """
+
+    def __init__(
+        self,
+        faults: Iterable[Fault],
+        *,
+        seed: int,
+        stage: int | None,
+        rank: int,
+        on_fire: Callable[[Fault, int, Mapping[str, float]], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        kill: Callable[[], None] | None = None,
+    ) -> None:
+        self.all = list(faults)
+        self.mine = [f for f in self.all if f.targets(stage=stage, rank=rank)]
+        self.seed = int(seed)
+        self.stage = stage
+        self.rank = rank
+        self.on_fire = on_fire
+        self._sleep = sleep
+        self._kill = kill or (lambda: os.kill(os.getpid(), signal.SIGKILL))
+        self._fired: set[tuple[int, int]] = set()  # (fault index, step) of one-shot faults
+
+    def retarget(self, stage: int | None) -> None:
+        """Aim at a new stage (a backup that took over a stage inherits its delays, not its kill)."""
+        self.stage = stage
+        self.mine = [f for f in self.all if f.targets(stage=stage, rank=self.rank)
+                     and f.kind in ("delay", "slow")]
+
+    def slowdown(self, step: int) -> float:
+        """The compute slow-down factor in force at ``step`` (1.0 when none)."""
+        factor = 1.0
+        for f in self.mine:
+            if f.kind == "slow" and step >= f.step:
+                factor = max(factor, f.factor)
+        return factor
+
+    def at_step(self, step: int) -> float:
+        """Fire this process's faults due at ``step``; returns the seconds it slept.
+
+        ``kill`` does not return. One-shot faults (kill, stall) fire once even if
+        the step is replayed after a takeover.
+        """
+        slept = 0.0
+        for i, f in enumerate(self.mine):
+            if f.kind in ("kill", "stall") and f.step == step and (i, step) not in self._fired:
+                self._fired.add((i, step))
+                if self.on_fire:
+                    self.on_fire(f, step, {"seconds": f.seconds})
+                if f.kind == "kill":
+                    self._kill()
+                    return slept  # only reached when kill is replaced in tests
+                self._sleep(f.seconds)
+                slept += f.seconds
+            elif f.kind == "delay" and step >= f.step:
+                target = f.stage if f.stage is not None else 10_000 + (f.rank or 0)
+                rng = np.random.default_rng([self.seed, i, target, step])
+                if rng.random() < f.p:
+                    if self.on_fire:
+                        self.on_fire(f, step, {"seconds": f.seconds})
+                    self._sleep(f.seconds)
+                    slept += f.seconds
+        return slept

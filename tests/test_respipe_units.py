@@ -1,0 +1,162 @@
+"""Unit tests of ResPipe's pure parts: fault specs, the cost model, ULFM detection."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpipipe import costmodel, ft, inject
+from mpipipe.costmodel import StageShape
+
+# -- fault specs ------------------------------------------------------------------------------
+
+def test_parse_each_kind():
+    assert inject.parse("kill:stage=1:step=20") == inject.Fault("kill", stage=1, step=20)
+    s = inject.parse("stall:stage=2:step=5:seconds=3")
+    assert (s.kind, s.stage, s.step, s.seconds) == ("stall", 2, 5, 3.0)
+    assert inject.parse("stall:stage=0:step=1").seconds == inject.DEFAULT_STALL_S
+    d = inject.parse("delay:stage=1:p=0.1:seconds=0.5")
+    assert (d.p, d.seconds, d.step) == (0.1, 0.5, 0)
+    w = inject.parse(" SLOW : rank=3 : step=2 : factor=2.5 ")
+    assert (w.kind, w.rank, w.stage, w.factor) == ("slow", 3, None, 2.5)
+
+
+def test_str_round_trips():
+    for spec in ("kill:stage=1:step=20", "stall:stage=2:step=5:seconds=3",
+                 "delay:stage=1:p=0.1:seconds=0.5", "slow:rank=3:step=2:factor=2.5"):
+        f = inject.parse(spec)
+        assert inject.parse(str(f)) == f
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("", "empty"),
+    ("explode:stage=1", "unknown fault kind"),
+    ("kill:stage=1", "missing step"),
+    ("kill:step=3", "exactly one target"),
+    ("kill:stage=1:rank=2:step=3", "exactly one target"),
+    ("kill:stage=one:step=3", "not an integer"),
+    ("kill:stage=1:step=3:colour=red", "unknown key 'colour'"),
+    ("kill:stage=1:step=3:step=4", "given twice"),
+    ("kill:stage=1:step", "not key=value"),
+    ("delay:stage=1:p=1.5:seconds=1", "probability"),
+    ("delay:stage=1:p=0.5:seconds=-1", "seconds must be >= 0"),
+    ("slow:rank=1:factor=0.5", "factor must be >= 1"),
+    ("kill:stage=-1:step=2", "stage must be >= 0"),
+])
+def test_bad_specs_say_what_and_show_an_example(spec, words):
+    with pytest.raises(inject.FaultError) as e:
+        inject.parse(spec)
+    assert words in str(e.value)
+    assert "e.g." in str(e.value)
+
+
+def test_plan_fires_once_and_only_for_its_target():
+    slept, fired, killed = [], [], []
+    faults = inject.parse_all(["stall:stage=1:step=2:seconds=4", "kill:stage=2:step=3"])
+    plan = inject.FaultPlan(faults, seed=0, stage=1, rank=1, sleep=slept.append,
+                            on_fire=lambda f, s, d: fired.append((f.kind, s)),
+                            kill=lambda: killed.append(1))
+    for step in range(5):
+        plan.at_step(step)
+    plan.at_step(2)  # a replayed step does not stall again
+    assert slept == [4.0] and fired == [("stall", 2)] and not killed
+    other = inject.FaultPlan(faults, seed=0, stage=2, rank=2, sleep=slept.append,
+                             kill=lambda: killed.append(1))
+    other.at_step(3)
+    assert killed == [1]
+
+
+def test_delays_are_seeded_and_repeatable():
+    faults = [inject.parse("delay:stage=0:p=0.3:seconds=1")]
+
+    def draws(seed):
+        out = []
+        plan = inject.FaultPlan(faults, seed=seed, stage=0, rank=0, sleep=out.append)
+        return [plan.at_step(s) for s in range(200)]
+
+    a, b, c = draws(1), draws(1), draws(2)
+    assert a == b and a != c
+    assert 30 <= sum(1 for x in a if x) <= 90  # about p * 200
+
+
+def test_slowdown_and_retarget():
+    faults = inject.parse_all(["slow:stage=1:step=4:factor=3", "kill:stage=1:step=9"])
+    plan = inject.FaultPlan(faults, seed=0, stage=None, rank=5, kill=lambda: None)
+    assert plan.slowdown(10) == 1.0
+    plan.retarget(1)  # a backup that takes over stage 1 inherits its slowness, not its kill
+    assert plan.slowdown(3) == 1.0 and plan.slowdown(4) == 3.0
+    assert [f.kind for f in plan.mine] == ["slow"]
+
+
+# -- cost model -------------------------------------------------------------------------------
+
+STAGES = [StageShape(act_out=400, params=1000, state=1000),
+          StageShape(act_out=100, params=4000, state=4000),
+          StageShape(act_out=0, params=500, state=500)]
+
+
+def test_plain_pipeline_bytes():
+    c = costmodel.predict(STAGES, batch_size=8)
+    assert c.pipeline == 2 * 8 * (400 + 100)
+    assert c.total == c.plain and c.replica == c.shadow == 0 and c.lost_updates == 0
+    assert costmodel.predict(STAGES, batch_size=8, label_bytes=8).labels == 64
+
+
+def test_replica_bytes_scale_with_one_over_r():
+    r1 = costmodel.predict(STAGES, batch_size=8, backups={1: 1}, replicate_every=1)
+    r10 = costmodel.predict(STAGES, batch_size=8, backups={1: 1}, replicate_every=10)
+    assert r1.replica == 8000 and r10.replica == 800
+    assert (r1.lost_updates, r10.lost_updates) == (0, 9)
+    two = costmodel.predict(STAGES, batch_size=8, backups={1: 2, 2: 1}, replicate_every=1)
+    assert two.replica == 2 * 8000 + 1000
+
+
+def test_hot_adds_the_relayed_streams_and_loses_nothing():
+    hot = costmodel.predict(STAGES, batch_size=8, backups={1: 1}, replicate_every=10, mode="hot")
+    assert hot.shadow == 8 * (400 + 100) and hot.lost_updates == 0
+    first = costmodel.predict(STAGES, batch_size=8, backups={0: 1}, replicate_every=10, mode="hot")
+    assert first.shadow == 8 * 400  # stage 0's backup reads its own input
+    last = costmodel.predict(STAGES, batch_size=8, backups={2: 1}, replicate_every=10, mode="hot")
+    assert last.shadow == 8 * 100  # the last stage's backup computes its own loss
+
+
+def test_neighbour_holds_one_replica_per_stage():
+    n = costmodel.predict(STAGES, batch_size=8, backups={1: 3}, replicate_every=2, mode="neighbour")
+    assert n.replica == 4000 and n.shadow == 0
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="mode"):
+        costmodel.predict(STAGES, batch_size=8, backups={1: 1}, mode="warm")
+    with pytest.raises(ValueError, match="replicate_every"):
+        costmodel.predict(STAGES, batch_size=8, backups={1: 1}, replicate_every=0)
+    with pytest.raises(ValueError, match="stage 7"):
+        costmodel.predict(STAGES, batch_size=8, backups={7: 1})
+
+
+def test_state_bytes():
+    assert costmodel.state_bytes(100, 2, "sgd", momentum=0.9) == 100
+    assert costmodel.state_bytes(100, 2, "sgd", momentum=0.0) == 0
+    assert costmodel.state_bytes(100, 2, "adam") == 208
+    with pytest.raises(ValueError, match="rmsprop"):
+        costmodel.state_bytes(100, 2, "rmsprop")
+
+
+def test_trade_off_table_over_r():
+    rows = costmodel.trade_off(STAGES, batch_size=8, backups={1: 1}, rs=(1, 10))
+    assert [(r["mode"], r["R"]) for r in rows] == [("cold", 1), ("cold", 10), ("hot", 1), ("hot", 10)]
+    assert rows[0]["overhead"] > rows[1]["overhead"]
+    text = costmodel.format_table(rows)
+    assert "max lost updates" in text and len(text.splitlines()) == 5
+
+
+# -- ULFM detection ---------------------------------------------------------------------------
+
+def test_ulfm_enabled_reads_open_mpi_environment():
+    assert ft.ulfm_enabled({"OMPI_MCA_mpi_ft_enable": "1"})
+    assert not ft.ulfm_enabled({})
+    assert "ULFM off" in ft.startup_note(False) and "ULFM on" in ft.startup_note(True)
+
+
+def test_error_class_of_non_mpi_errors_is_none():
+    assert ft.error_class(ValueError("x")) is None
+    assert not ft.is_proc_failed(ValueError("x")) and not ft.is_revoked(ValueError("x"))
