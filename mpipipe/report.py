@@ -1,0 +1,642 @@
+"""The `report` subcommand: HDF5 run logs in, a terminal summary and PNG plots out.
+
+One command reads every run either system writes (the schema is shared, see
+docs/hdf5-log.md), so ResPipe can be laid over the plain pipeline and tuned
+batches over equal ones on the same axes. A log cut short by a killed run is
+reported up to its last step; a file that is not a run log gives one error
+line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from .runlog import LogError, RunData, open_log
+
+__all__ = ["load_run", "summarize", "compare", "plot_runs", "add_parser", "main"]
+
+PROG = "mpipipe report"
+
+# Columns a log must hold once its group has any rows (docs/hdf5-log.md).
+_REQUIRED = {
+    "steps": ("step", "time", "loss", "samples", "samples_per_s"),
+    "eval": ("step", "time", "accuracy"),
+    "ranks": ("step", "compute_s", "wait_s", "bytes_sent", "bytes_recv"),
+}
+_EVENT_COLUMNS = ("step", "time", "kind", "rank", "detail")
+
+# Events that recur every few steps: counted in the summary, not listed or marked one by one.
+ROUTINE_EVENTS = frozenset({"replica", "checkpoint", "late"})
+# Events listed in the summary but not drawn on plots (they say how, not when something happened).
+_UNMARKED_EVENTS = ROUTINE_EVENTS | {"energy_source"}
+
+# Configuration keys worth a glance, in display order; other sections are shown whole.
+_HIGHLIGHTS = (
+    "model.name", "data.batch_size", "optim.name", "optim.lr", "run.steps", "run.epochs", "run.seed",
+    "pipeline.stages", "pipeline.chunks", "pipeline.schedule", "pipeline.balance",
+    "resilience.backups", "resilience.replicate_every", "resilience.mode", "resilience.deadline_s",
+    "resilience.inject",
+)
+_QUIET_SECTIONS = frozenset({"run", "data", "model", "optim", "pipeline", "resilience", "plan"})
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read and check one run log, so that the report never meets a missing column.
+
+    Raises:
+        LogError: the file is missing, not HDF5, not a run log, or damaged;
+            the one-line message names the file and what is missing.
+    """
+    try:
+        run = open_log(path)
+    except LogError as e:
+        raise LogError(_one_line(str(e))) from None
+    except KeyError as e:
+        raise LogError(_one_line(f"{path}: damaged run log: column {e} is missing (schema: docs/hdf5-log.md)")) \
+            from None
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        # h5py raises these for a file damaged inside (bad chunk, broken link)
+        raise LogError(_one_line(f"{path}: damaged run log ({type(e).__name__}: {e})")) from None
+    missing = _missing_event_columns(run.path)
+    if missing:
+        raise LogError(f"{run.path}: damaged run log: /events lacks column(s) {', '.join(missing)} "
+                       f"(schema: docs/hdf5-log.md)")
+    tables = [("/steps", run.steps, _REQUIRED["steps"]), ("/eval", run.eval, _REQUIRED["eval"])]
+    tables += [(f"/ranks/{r}", cols, _REQUIRED["ranks"]) for r, cols in run.ranks.items()]
+    for where, cols, required in tables:
+        if not cols:
+            continue  # nothing recorded yet (a run killed before its first step)
+        missing = [c for c in required if c not in cols]
+        if missing:
+            raise LogError(f"{run.path}: damaged run log: {where} lacks column(s) "
+                           f"{', '.join(missing)} (schema: docs/hdf5-log.md)")
+    return run
+
+
+def _missing_event_columns(path: Path) -> list[str]:
+    """The /events columns RunLog always creates but this file lacks (open_log reads such a file as eventless)."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return [c for c in _EVENT_COLUMNS if c not in f["events"]]
+    except (OSError, KeyError):  # open_log read it a moment ago; nothing more to say
+        return []
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# ---------------------------------------------------------------- figures
+
+
+def _float(col: np.ndarray) -> np.ndarray:
+    """A column as float64, with the -1 back-fill of integer columns turned into NaN."""
+    a = np.asarray(col)
+    if np.issubdtype(a.dtype, np.integer):
+        out = a.astype(np.float64)
+        out[a < 0] = np.nan
+        return out
+    return a.astype(np.float64)
+
+
+def _nansum(a: np.ndarray) -> float:
+    return float(np.nansum(a)) if a.size and not np.all(np.isnan(a)) else math.nan
+
+
+def last_step(run: RunData) -> int:
+    steps = run.steps.get("step")
+    return int(steps[-1]) if steps is not None and len(steps) else 0
+
+
+def throughput(run: RunData) -> float:
+    """Steady samples/s: samples of steps 2..n over the time between step 1 and step n.
+
+    Step 1 carries start-up (partitioning, first allocations), so it is left
+    out; with a single step the logged per-step figure is all there is.
+    """
+    t = _float(run.steps.get("time", np.array([])))
+    s = _float(run.steps.get("samples", np.array([])))
+    if len(t) >= 2 and t[-1] > t[0]:
+        return _nansum(s[1:]) / float(t[-1] - t[0])
+    sps = _float(run.steps.get("samples_per_s", np.array([])))
+    return float(sps[-1]) if len(sps) else math.nan
+
+
+def final_loss(run: RunData) -> float:
+    loss = _float(run.steps.get("loss", np.array([])))
+    ok = loss[~np.isnan(loss)]
+    return float(ok[-1]) if ok.size else math.nan
+
+
+def final_accuracy(run: RunData) -> tuple[float, int]:
+    acc = _float(run.eval.get("accuracy", np.array([])))
+    if not acc.size:
+        return math.nan, 0
+    return float(acc[-1]), int(run.eval["step"][-1])
+
+
+def roles(run: RunData) -> dict[int, str]:
+    """Rank -> role name, from the ``plan`` attribute (``0=stage 0, 1=stage 1, ...``)."""
+    out = {}
+    for part in str(run.attrs.get("plan", "")).split(","):
+        rank, _, role = part.partition("=")
+        if rank.strip().isdigit() and role.strip():
+            out[int(rank)] = role.strip()
+    return out
+
+
+def rank_figures(cols: dict[str, np.ndarray]) -> dict[str, float]:
+    """Totals of one rank's per-step columns (NaN where the rank did not record a figure)."""
+    compute = _float(cols.get("compute_s", np.array([])))
+    wait = _float(cols.get("wait_s", np.array([])))
+    n = len(cols.get("step", []))
+    busy = _nansum(compute) + _nansum(wait) if n else math.nan
+    fig = {
+        "steps": float(n),
+        "compute_s": _nansum(compute),
+        "wait_s": _nansum(wait),
+        "step_s": busy / n if n else math.nan,
+        "wait_frac": _nansum(wait) / busy if n and busy > 0 else math.nan,
+        "bytes_sent": _nansum(_float(cols.get("bytes_sent", np.array([])))),
+        "bytes_recv": _nansum(_float(cols.get("bytes_recv", np.array([])))),
+    }
+    if "batch_size" in cols:
+        batch = _float(cols["batch_size"])
+        fig["batch_last"] = float(batch[~np.isnan(batch)][-1]) if np.any(~np.isnan(batch)) else math.nan
+        fig["samples"] = _nansum(batch)
+        compute_total = _nansum(compute)
+        fig["samples_per_s"] = fig["samples"] / compute_total if compute_total > 0 else math.nan
+    if "joules" in cols:
+        fig["joules"] = _nansum(_float(cols["joules"]))
+        if "samples" in fig and fig["joules"] > 0:
+            fig["samples_per_j"] = fig["samples"] / fig["joules"]
+    return fig
+
+
+# ---------------------------------------------------------------- text
+
+
+def _fmt(value: float, spec: str = ".4g", missing: str = "-") -> str:
+    return missing if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def _bytes(n: float) -> str:
+    if math.isnan(n):
+        return "-"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _flatten(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value and prefix == "":
+            out.update(_flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def config_highlights(run: RunData) -> list[str]:
+    """``key=value`` for the settings that explain a result; free-form sections shown whole."""
+    flat = _flatten(run.config)
+    items = [(k, flat[k]) for k in _HIGHLIGHTS if k in flat]
+    items += [(k, v) for k, v in flat.items() if k.split(".", 1)[0] not in _QUIET_SECTIONS]
+    out = []
+    for key, value in items:
+        if value in ({}, [], "", None):
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+        out.append(f"{key}={text if len(text) <= 60 else text[:57] + '...'}")
+    return out
+
+
+def _wrap(words: list[str], indent: str, width: int = 100) -> list[str]:
+    lines, line = [], indent
+    for w in words:
+        if len(line) + len(w) + 2 > width and line.strip():
+            lines.append(line.rstrip())
+            line = indent
+        line += w + "  "
+    if line.strip():
+        lines.append(line.rstrip())
+    return lines
+
+
+def _event_line(ev: dict[str, Any], role: str) -> str:
+    detail = dict(ev["detail"])
+    timing = []
+    for key in ("detected_after_s", "recovery_s"):
+        if isinstance(detail.get(key), int | float):
+            timing.append(f"{key.removesuffix('_s').replace('_', ' ')} {detail.pop(key):.3f} s")
+    rest = json.dumps(detail, separators=(",", ":"), default=str) if detail else ""
+    if len(rest) > 70:
+        rest = rest[:67] + "..."
+    who = f"rank {ev['rank']}" + (f" ({role})" if role else "") if ev["rank"] >= 0 else ""
+    return (f"    step {ev['step']:>5}  t={ev['time']:8.2f}s  {ev['kind']:<16} {who:<18} "
+            f"{'  '.join(timing)}{'  ' if timing and rest else ''}{rest}").rstrip()
+
+
+def summarize(run: RunData) -> str:
+    """The terminal summary of one run: what ran, how far, how fast, where time went, what happened."""
+    a = run.attrs
+    status = str(a.get("status", "?"))
+    n = len(run.steps.get("step", []))
+    lines = [f"== {run.path}  ({run.system}, {a.get('world_size', '?')} ranks, status: {status})"]
+    if status == "running":
+        lines.append(f"   ! the run did not finish (killed, or still going): reported up to step {last_step(run)}")
+    elif status.startswith("failed"):
+        lines.append(f"   ! {status}")
+    started = a.get("start_time", "?")
+    where = f" on {a['hostname']}" if a.get("hostname") else ""
+    ended = f", ended {a['end_time']}" if a.get("end_time") else ""
+    lines.append(f"   started {started}{where}{ended}")
+    if a.get("plan"):
+        lines.append(f"   plan: {a['plan']}")
+    emulation = a.get("emulation", "{}")
+    if emulation not in ("{}", "", None):
+        lines.append(f"   emulated: {emulation if len(str(emulation)) <= 90 else str(emulation)[:87] + '...'}")
+    cfg = config_highlights(run)
+    if cfg:
+        lines.append("   config:")
+        lines += _wrap(cfg, "     ")
+
+    if n == 0:
+        lines.append("   steps: none recorded")
+    else:
+        t = _float(run.steps["time"])
+        samples = _nansum(_float(run.steps["samples"]))
+        lines.append(f"   steps: {n} (last step {last_step(run)}, {samples:,.0f} samples, "
+                     f"{_fmt(float(t[-1]), '.1f')} s since start)")
+        sps = _float(run.steps["samples_per_s"])
+        median = float(np.nanmedian(sps)) if np.any(~np.isnan(sps)) else math.nan
+        lines.append(f"   samples/s: {_fmt(throughput(run), ',.1f')} (steady, after step 1); "
+                     f"median per step {_fmt(median, ',.1f')}")
+    acc, acc_step = final_accuracy(run)
+    acc_text = f"{acc * 100:.2f}% (step {acc_step}, {len(run.eval.get('step', []))} evaluations)" \
+        if not math.isnan(acc) else "not evaluated"
+    lines.append(f"   final loss: {_fmt(final_loss(run), '.4f')}    test accuracy: {acc_text}")
+
+    if run.ranks:
+        role_of = roles(run)
+        stannis = any("batch_size" in c for c in run.ranks.values())
+        head = f"   {'rank':>4} {'role':<10} {'steps':>5} {'compute s':>10} {'wait s':>9} {'wait':>6} " \
+               f"{'step s':>8} {'sent':>10} {'received':>10}"
+        if stannis:
+            head += f" {'batch':>6} {'samples/s':>10} {'joules':>9} {'samples/J':>10}"
+        lines += ["   per rank (compute = forward, backward, optimizer; wait = blocked on messages):", head]
+        total_samples = total_j = 0.0
+        for rank, cols in run.ranks.items():
+            f = rank_figures(cols)
+            row = (f"   {rank:>4} {role_of.get(rank, '?'):<10} {f['steps']:>5.0f} {_fmt(f['compute_s'], '10.3f'):>10} "
+                   f"{_fmt(f['wait_s'], '9.3f'):>9} {_fmt(f['wait_frac'] * 100, '5.1f') + '%':>6} "
+                   f"{_fmt(f['step_s'], '8.4f'):>8} {_bytes(f['bytes_sent']):>10} {_bytes(f['bytes_recv']):>10}")
+            if stannis:
+                row += (f" {_fmt(f.get('batch_last', math.nan), '6.0f'):>6} "
+                        f"{_fmt(f.get('samples_per_s', math.nan), '10.1f'):>10} "
+                        f"{_fmt(f.get('joules', math.nan), '9.2f'):>9} "
+                        f"{_fmt(f.get('samples_per_j', math.nan), '10.2f'):>10}")
+                total_samples += 0 if math.isnan(f.get("samples", math.nan)) else f["samples"]
+                total_j += 0 if math.isnan(f.get("joules", math.nan)) else f["joules"]
+            lines.append(row)
+        if stannis:
+            lines.append("   (samples/s per rank = samples / compute time: the rank's own speed; samples/J = "
+                         "samples / joules)")
+        if stannis and total_j > 0:
+            lines.append(f"   energy: {total_j:,.1f} J in all, {total_samples / total_j:,.2f} samples per joule")
+
+    lines.append(f"   events: {len(run.events) or 'none'}")
+    role_of = roles(run)
+    counts = Counter(e["kind"] for e in run.events)
+    for ev in run.events:
+        if ev["kind"] not in ROUTINE_EVENTS or counts[ev["kind"]] <= 5:
+            lines.append(_event_line(ev, role_of.get(ev["rank"], "")))
+    for kind in sorted(k for k in counts if k in ROUTINE_EVENTS and counts[k] > 5):
+        steps = [e["step"] for e in run.events if e["kind"] == kind]
+        lines.append(f"    {kind} x{counts[kind]} (steps {min(steps)}..{max(steps)})")
+    return "\n".join(lines)
+
+
+def labels_for(runs: Sequence[RunData]) -> list[str]:
+    """File names, or longer paths where two runs share a file name."""
+    names = [r.path.name for r in runs]
+    if len(set(names)) == len(names):
+        return names
+    return [str(r.path) for r in runs]
+
+
+def compare(runs: Sequence[RunData]) -> str:
+    """A side-by-side table of several runs, the first one as the reference for ratios."""
+    labels = labels_for(runs)
+    width = max(12, *(len(s) for s in labels))
+    lines = ["== comparison (ratios against the first run)",
+             f"   {'run':<{width}} {'system':<8} {'status':<10} {'steps':>6} {'samples/s':>10} {'x first':>8} "
+             f"{'final loss':>10} {'accuracy':>9} {'sent/step':>10} {'events':>7}"]
+    base = throughput(runs[0])
+    for label, run in zip(labels, runs, strict=True):
+        sps = throughput(run)
+        acc, _ = final_accuracy(run)
+        n = max(1, last_step(run))
+        sent = float(np.nansum([_nansum(_float(c.get("bytes_sent", np.array([])))) for c in run.ranks.values()]))
+        sent = sent / n if run.ranks else math.nan
+        acc_text = f"{acc * 100:.2f}%" if not math.isnan(acc) else "-"
+        notable = sum(1 for e in run.events if e["kind"] not in ROUTINE_EVENTS)
+        status = str(run.attrs.get("status", "?"))
+        lines.append(
+            f"   {label:<{width}} {run.system:<8} {status[:10]:<10} {last_step(run):>6} {_fmt(sps, ',.1f'):>10} "
+            f"{_fmt(sps / base if base and not math.isnan(base) else math.nan, '.2f'):>8} "
+            f"{_fmt(final_loss(run), '.4f'):>10} {acc_text:>9} "
+            f"{_bytes(sent):>10} {notable:>7}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- plots
+
+
+_LINESTYLES = ("-", "--", ":", "-.")
+_EVENT_STYLES = {"failure_detected": ":", "takeover": "--", "fault_injected": "-.", "retune": (0, (5, 1, 1, 1))}
+
+
+def _run_colors(n: int) -> list[Any]:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return [cmap(i % 10) for i in range(n)]
+
+
+def _mark_events(ax: Any, run: RunData, color: Any, x: str, *, label_kinds: bool) -> None:
+    """Vertical lines at the notable events of ``run`` (x = 'step' or 'time'), one label per position."""
+    from matplotlib.transforms import blended_transform_factory
+
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    at: dict[float, list[str]] = {}
+    for ev in run.events:
+        pos = float(ev[x])
+        if ev["kind"] in _UNMARKED_EVENTS or math.isnan(pos):
+            continue
+        kinds = at.setdefault(pos, [])
+        if ev["kind"] not in kinds:
+            kinds.append(ev["kind"])
+            ax.axvline(pos, color=color, linestyle=_EVENT_STYLES.get(ev["kind"], "--"), linewidth=1, alpha=0.7)
+    if label_kinds:
+        for pos, kinds in at.items():
+            ax.text(pos, 0.98, " " + ", ".join(kinds), transform=trans, rotation=90, va="top", ha="right",
+                    fontsize=7, color=color)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def _plot_training(runs: Sequence[RunData], labels: list[str], colors: list[Any], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 2, figsize=(12, 11))
+    panels = [("steps", "loss", "training loss"), ("eval", "accuracy", "test accuracy"),
+              ("steps", "samples_per_s", "samples/s")]
+    for row, (group, col, title) in enumerate(panels):
+        for c, x in enumerate(("step", "time")):
+            ax = axes[row][c]
+            drawn = False
+            for run, label, color in zip(runs, labels, colors, strict=True):
+                table = getattr(run, group)
+                if col in table and len(table[col]):
+                    y = _float(table[col]) * (100 if col == "accuracy" else 1)
+                    ax.plot(_float(table[x]), y, color=color, label=label,
+                            marker="o" if col == "accuracy" else None, markersize=3, linewidth=1.2)
+                    drawn = True
+                _mark_events(ax, run, color, x, label_kinds=(row == 0))
+            ax.set_xlabel("step" if x == "step" else "time since start (s)")
+            ax.set_ylabel(title + (" (%)" if col == "accuracy" else ""))
+            ax.set_title(f"{title} against {x}")
+            ax.grid(alpha=0.3)
+            if not drawn:
+                ax.text(0.5, 0.5, f"no {title} recorded", transform=ax.transAxes, ha="center", va="center")
+            elif row == 0 and c == 0:
+                _legend_with_events(ax, runs)
+    return _save(fig, path)
+
+
+def _legend_with_events(ax: Any, runs: Sequence[RunData]) -> None:
+    from matplotlib.lines import Line2D
+
+    handles, names = ax.get_legend_handles_labels()
+    kinds = sorted({e["kind"] for r in runs for e in r.events if e["kind"] not in _UNMARKED_EVENTS})
+    for kind in kinds:
+        handles.append(Line2D([], [], color="grey", linestyle=_EVENT_STYLES.get(kind, "--")))
+        names.append(f"event: {kind}")
+    ax.legend(handles, names, fontsize=8)
+
+
+def _rank_time(run: RunData, cols: dict[str, np.ndarray]) -> np.ndarray:
+    """The log time of each of a rank's rows, looked up by step (NaN where the step row is missing)."""
+    when = dict(zip(run.steps.get("step", []).tolist(), _float(run.steps.get("time", np.array([]))).tolist(),
+                    strict=True))
+    return np.array([when.get(int(s), math.nan) for s in cols["step"]], dtype=np.float64)
+
+
+def _rank_label(label: str, rank: int, role: str, several: bool) -> str:
+    name = f"rank {rank}" + (f" ({role})" if role else "")
+    return f"{label}: {name}" if several else name
+
+
+def _plot_ranks(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    cmap = matplotlib.colormaps["tab10"]
+    several = len(runs) > 1
+    fig, (left, right) = plt.subplots(2, 1, figsize=(12, 9))
+    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
+        role_of = roles(run)
+        for rank, cols in run.ranks.items():
+            if not len(cols.get("step", [])):
+                continue
+            step_s = _float(cols["compute_s"]) + _float(cols["wait_s"])
+            left.plot(_float(cols["step"]), step_s, color=cmap(rank % 10), linestyle=_LINESTYLES[i % 4],
+                      linewidth=1, label=_rank_label(label, rank, role_of.get(rank, ""), several))
+        _mark_events(left, run, "black", "step", label_kinds=not several)
+    left.set_xlabel("step")
+    left.set_ylabel("step time per rank: compute + wait (s)")
+    left.set_title("per-rank step time (lower is faster)")
+    left.grid(alpha=0.3)
+    if left.lines:
+        left.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                    ncol=2 if sum(len(r.ranks) for r in runs) > 16 else 1)
+
+    # mean compute and wait per step, side by side per run, ranks on the x axis
+    width = 0.8 / len(runs)
+    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
+        ranks = [r for r, c in run.ranks.items() if len(c.get("step", []))]
+        figs = [rank_figures(run.ranks[r]) for r in ranks]
+        x = np.array(ranks, dtype=float) + (i - (len(runs) - 1) / 2) * width
+        compute = np.array([f["compute_s"] / max(f["steps"], 1) for f in figs])
+        wait = np.array([f["wait_s"] / max(f["steps"], 1) for f in figs])
+        color = _run_colors(len(runs))[i]
+        right.bar(x, np.nan_to_num(compute), width, color=color, label=f"{label}: compute" if several else "compute")
+        right.bar(x, np.nan_to_num(wait), width, bottom=np.nan_to_num(compute), color=color, alpha=0.35,
+                  hatch="//", label=f"{label}: wait" if several else "wait")
+    right.set_xlabel("rank")
+    right.set_ylabel("mean seconds per step")
+    right.set_title("where each rank's time goes")
+    all_ranks = sorted({r for run in runs for r in run.ranks})
+    right.set_xticks(all_ranks)
+    right.grid(alpha=0.3, axis="y")
+    if all_ranks:
+        right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, path)
+
+
+def _plot_stannis(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    cmap = matplotlib.colormaps["tab10"]
+    several = len(runs) > 1
+    fig, axes = plt.subplots(3, 1, figsize=(11, 12), sharex=True)
+    modelled = any("model" in json.dumps(e["detail"]) for r in runs for e in r.events
+                   if e["kind"] == "energy_source")
+    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
+        role_of = roles(run)
+        for rank, cols in run.ranks.items():
+            if "batch_size" not in cols or not len(cols["step"]):
+                continue
+            t = _rank_time(run, cols)
+            batch = _float(cols["batch_size"])
+            compute = _float(cols["compute_s"])
+            style = {"color": cmap(rank % 10), "linestyle": _LINESTYLES[i % 4], "linewidth": 1.2,
+                     "label": _rank_label(label, rank, role_of.get(rank, ""), several)}
+            axes[0].plot(t, batch, drawstyle="steps-pre", **style)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                axes[1].plot(t, np.where(compute > 0, batch / compute, np.nan), **style)
+                if "joules" in cols:
+                    joules = _float(cols["joules"])
+                    axes[2].plot(t, np.where(joules > 0, batch / joules, np.nan), **style)
+        for ax in axes:
+            _mark_events(ax, run, "black", "time", label_kinds=(ax is axes[0] and not several))
+    titles = ["batch size per rank", "samples/s per rank while computing (batch / compute time)",
+              "samples per joule per rank" + (" (modelled power)" if modelled else "")]
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_ylabel(title.split(" (")[0])
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        else:
+            ax.text(0.5, 0.5, "not recorded", transform=ax.transAxes, ha="center", va="center")
+    axes[-1].set_xlabel("time since start (s)")
+    return _save(fig, path)
+
+
+def plot_runs(runs: Sequence[RunData], out: str | Path) -> list[Path]:
+    """Write the PNG plots of ``runs`` (overlaid when several) into ``out``; return their paths.
+
+    Uses matplotlib's Agg backend so that it works on a cluster node with no display.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "+".join(r.path.stem for r in runs)
+    if len(stem) > 80:
+        stem = f"{runs[0].path.stem}+{len(runs) - 1}-more"
+    labels = labels_for(runs)
+    colors = _run_colors(len(runs))
+    paths = [_plot_training(runs, labels, colors, out / f"{stem}-training.png")]
+    if any(run.ranks for run in runs):
+        paths.append(_plot_ranks(runs, labels, out / f"{stem}-ranks.png"))
+    stannis = [i for i, r in enumerate(runs) if r.system == "stannis" or
+               any("batch_size" in c for c in r.ranks.values())]
+    if stannis:
+        paths.append(_plot_stannis([runs[i] for i in stannis], [labels[i] for i in stannis],
+                                   out / f"{stem}-stannis.png"))
+    return paths
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("logs", nargs="+", metavar="RUN.h5",
+                        help="HDF5 run logs (several are compared and overlaid, labelled by file name)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="directory for the PNG plots (default: the directory of the first log)")
+    parser.add_argument("--no-plots", action="store_true", help="print the summary only")
+    parser.set_defaults(func=run_report)
+    return parser
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``report`` on the dispatcher's subparsers; it sets ``func`` (args -> exit status)."""
+    return _configure(subparsers.add_parser(
+        "report", help="summarise run logs and plot them",
+        description="Summarise HDF5 run logs in the terminal and write PNG plots: loss, accuracy and "
+                    "samples/s against step and time with events marked, per-rank step time split into "
+                    "compute and waiting, and for stannis per-rank batch size and samples per joule.",
+    ))
+
+
+def run_report(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Body of ``report``: 0 when every log was reported, 2 when one could not be read."""
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    runs, failed = [], False
+    for path in args.logs:
+        try:
+            runs.append(load_run(path))
+        except LogError as e:
+            print(f"{PROG}: error: {e}", file=stderr)
+            failed = True
+    if failed:
+        return 2
+    for run in runs:
+        print(summarize(run), file=stdout)
+        print(file=stdout)
+    if len(runs) > 1:
+        print(compare(runs), file=stdout)
+        print(file=stdout)
+    if not args.no_plots:
+        out = Path(args.out) if args.out else runs[0].path.parent
+        try:
+            paths = plot_runs(runs, out)
+        except OSError as e:
+            print(f"{PROG}: error: cannot write plots to {out}: {_one_line(str(e))}", file=stderr)
+            return 2
+        print("plots: " + ", ".join(str(p) for p in paths), file=stdout)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mpipipe report ...`` as a function, for tests and scripts."""
+    parser = _configure(argparse.ArgumentParser(
+        prog=PROG, description="Summarise HDF5 run logs and write PNG plots (see docs/hdf5-log.md)."))
+    args = parser.parse_args(argv)
+    return run_report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Tests of the `report` subcommand on logs written by RunLog itself, and on files that are not logs."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mpipipe import report
+from mpipipe.runlog import RunLog
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def pipeline_log(path: Path, *, steps: int = 30, failover: bool = True, samples_per_s: float = 500.0) -> Path:
+    """A 3-stage ResPipe-like run with a backup of stage 1 that takes over after a kill at step 12."""
+    cfg = {"model": {"name": "lenet"}, "data": {"batch_size": 64},
+           "pipeline": {"stages": 3, "chunks": 4, "schedule": "1f1b"},
+           "resilience": {"backups": {"1": 1}, "replicate_every": 1, "mode": "cold"}}
+    log = RunLog(path, system="mpipipe", config=cfg, comm_size=4,
+                 attrs={"plan": "0=stage 0, 1=stage 1, 2=stage 2, 3=backup 1"})
+    t = 0.0
+    for step in range(1, steps + 1):
+        dt = 64 / samples_per_s * (3.0 if failover and step == 12 else 1.0)
+        t += dt
+        ranks = {}
+        for r in range(4):
+            if failover and r == 1 and step >= 12:
+                continue  # the killed stage records nothing more
+            ranks[r] = {"compute_s": dt * 0.6, "wait_s": dt * 0.4,
+                        "bytes_sent": 4096 * (r != 2), "bytes_recv": 4096 * (r != 0)}
+        log.step(step, time=t, loss=2.3 * math.exp(-step / 10), samples=64, samples_per_s=64 / dt, ranks=ranks)
+        if step % 10 == 0:
+            log.eval(step, time=t, accuracy=min(0.95, 0.3 + step / 40), loss=1.0 / step)
+        if failover and step == 11:
+            log.event("fault_injected", step=12, rank=1, time=t + 0.01, fault="kill")
+            log.event("failure_detected", step=12, rank=1, time=t + 0.5, detected_after_s=0.49)
+            log.event("takeover", step=12, rank=3, time=t + 1.1, stage=1, recovery_s=0.6)
+        log.event("replica", step=step, rank=3, time=t, bytes=1000)
+    log.set_attr("summary", {"steps": steps})
+    log.close()
+    return path
+
+
+def stannis_log(path: Path, *, steps: int = 24) -> Path:
+    """A host and two CSDs; a re-tune at step 8 moves samples from the CSDs to the host."""
+    cfg = {"run": {"steps": steps}, "tune": {"objective": "throughput", "every": 8}}
+    log = RunLog(path, system="stannis", config=cfg, comm_size=3,
+                 emulation={"1": {"factor": 8}, "2": {"factor": 8}},
+                 attrs={"plan": "0=host, 1=csd 1, 2=csd 2"})
+    t = 0.0
+    for r in range(3):
+        log.event("energy_source", step=0, rank=r, time=0.0, source="model")
+    for step in range(1, steps + 1):
+        batches = [32, 32, 32] if step <= 8 else [80, 8, 8]
+        speed = [400.0, 50.0, 40.0]
+        dt = max(b / s for b, s in zip(batches, speed, strict=True))
+        t += dt
+        ranks = {r: {"compute_s": b / s, "wait_s": dt - b / s, "bytes_sent": 1000, "bytes_recv": 1000,
+                     "batch_size": b, "joules": dt * (30.0 if r == 0 else 5.0)}
+                 for r, (b, s) in enumerate(zip(batches, speed, strict=True))}
+        log.step(step, time=t, loss=2.0 / step, samples=sum(batches), samples_per_s=sum(batches) / dt,
+                 ranks=ranks)
+        if step == 8:
+            log.event("retune", step=8, time=t, old=[32, 32, 32], new=[80, 8, 8])
+    log.eval(steps, time=t, accuracy=0.81)
+    log.close()
+    return path
+
+
+def truncated_log(path: Path) -> Path:
+    """A run killed mid-record: status stays 'running' and the last row reached only some columns."""
+    log = RunLog(path, system="mpipipe", config={"pipeline": {"stages": 2}}, comm_size=2,
+                 attrs={"plan": "0=stage 0, 1=stage 1"})
+    for step in range(1, 8):
+        log.step(step, time=0.1 * step, loss=1.0 / step, samples=32, samples_per_s=320.0,
+                 ranks={r: {"compute_s": 0.05, "wait_s": 0.05, "bytes_sent": 10, "bytes_recv": 10} for r in (0, 1)})
+    log._file.close()  # what SIGKILL leaves behind: no close(), so status stays 'running'
+    with h5py.File(path, "a") as f:
+        for name in ("step", "time"):  # step 8 began to be written, loss and the rest did not
+            ds = f["steps"][name]
+            ds.resize((ds.shape[0] + 1,))
+            ds[-1] = 8 if name == "step" else 0.8
+        ds = f["ranks/0/compute_s"]
+        ds.resize((ds.shape[0] + 1,))
+        ds[-1] = 0.05
+    return path
+
+
+def assert_png(path: Path) -> None:
+    assert path.exists(), path
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert len(data) > 5000, f"{path} is suspiciously small"
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = report.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------- good logs
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_log_summary_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = pipeline_log(tmp_path / "respipe.h5")
+    code, out, err = run_main([str(log), "--out", str(tmp_path / "plots")], capsys)
+    assert code == 0, err
+    assert err == ""
+    assert "respipe.h5" in out and "mpipipe" in out and "status: completed" in out
+    assert "pipeline.stages=3" in out and "resilience.backups" in out
+    assert "steps: 30 (last step 30" in out
+    assert "test accuracy: 95.00% (step 30" in out
+    assert "final loss: 0.1145" in out  # 2.3 * exp(-3)
+    # per-rank table: roles from the plan, the dead stage stops at 11 steps, bytes summed
+    rows = {int(line.split()[0]): line for line in out.splitlines()
+            if line.strip()[:1].isdigit() and ("stage" in line or "backup" in line)}
+    assert set(rows) == {0, 1, 2, 3}
+    assert "stage 1" in rows[1] and " 11 " in rows[1]
+    assert "backup 1" in rows[3] and "122.9 kB" in rows[3]  # 30 x 4096 bytes
+    assert "40.0%" in rows[0]  # wait share
+    # events with their timings; routine replica events are only counted
+    assert "fault_injected" in out and "failure_detected" in out and "takeover" in out
+    assert "detected after 0.490 s" in out and "recovery 0.600 s" in out
+    assert "replica x30 (steps 1..30)" in out
+    for name in ("respipe-training.png", "respipe-ranks.png"):
+        assert_png(tmp_path / "plots" / name)
+    assert not (tmp_path / "plots" / "respipe-stannis.png").exists()
+
+
+@pytest.mark.timeout(120)
+def test_stannis_log_has_batch_and_energy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = stannis_log(tmp_path / "tuned.h5")
+    code, out, err = run_main([str(log), "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "stannis" in out and "tune.objective=throughput" in out
+    assert "emulated:" in out
+    assert "samples/J" in out and "samples per joule" in out
+    host = next(line for line in out.splitlines() if "host" in line and line.strip().startswith("0"))
+    assert " 80 " in host  # last batch size of the host after the re-tune
+    assert "retune" in out and "energy_source" in out
+    for name in ("tuned-training.png", "tuned-ranks.png", "tuned-stannis.png"):
+        assert_png(tmp_path / name)
+
+
+@pytest.mark.timeout(120)
+def test_several_logs_are_compared_and_overlaid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = pipeline_log(tmp_path / "respipe.h5")
+    b = pipeline_log(tmp_path / "plain.h5", failover=False, samples_per_s=1000.0)
+    c = stannis_log(tmp_path / "tuned.h5")
+    code, out, err = run_main([str(a), str(b), str(c), "--out", str(tmp_path / "cmp")], capsys)
+    assert code == 0, err
+    assert "== comparison" in out
+    table = out[out.index("== comparison"):]
+    plain = next(line for line in table.splitlines() if "plain.h5" in line)
+    assert float(plain.split()[5]) > 1.9  # about twice the samples/s of the first run (which lost a stage)
+    assert_png(tmp_path / "cmp" / "respipe+plain+tuned-training.png")
+    assert_png(tmp_path / "cmp" / "respipe+plain+tuned-ranks.png")
+    assert_png(tmp_path / "cmp" / "respipe+plain+tuned-stannis.png")
+
+
+@pytest.mark.timeout(120)
+def test_truncated_log_is_reported_to_its_last_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = truncated_log(tmp_path / "killed.h5")
+    code, out, err = run_main([str(log), "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "status: running" in out
+    assert "did not finish" in out and "reported up to step 7" in out
+    assert "steps: 7 (last step 7" in out
+    assert "not evaluated" in out
+    assert_png(tmp_path / "killed-training.png")
+
+
+@pytest.mark.timeout(60)
+def test_log_without_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "early.h5"
+    RunLog(path, system="mpipipe", config={}, comm_size=2)._file.close()
+    code, out, err = run_main([str(path), "--no-plots"], capsys)
+    assert code == 0, err
+    assert "steps: none recorded" in out and "events: none" in out
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def _expect_error(argv: list[str], capsys: pytest.CaptureFixture[str], *needles: str) -> None:
+    code, out, err = run_main(argv, capsys)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("mpipipe report: error: ")
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _expect_error([str(tmp_path / "nope.h5")], capsys, "nope.h5", "no such file")
+
+
+@pytest.mark.timeout(60)
+def test_text_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("not a log\n")
+    _expect_error([str(path)], capsys, "notes.txt", "not a readable HDF5 file")
+
+
+@pytest.mark.timeout(60)
+def test_foreign_hdf5_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as f:
+        f["data"] = np.arange(10)
+    _expect_error([str(path)], capsys, "other.h5", "not an mpipipe run log", "'format'")
+
+
+@pytest.mark.timeout(60)
+def test_log_missing_a_group(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = pipeline_log(tmp_path / "nogroup.h5", steps=3)
+    with h5py.File(path, "a") as f:
+        del f["eval"]
+    _expect_error([str(path)], capsys, "group /eval is missing")
+
+
+@pytest.mark.timeout(60)
+def test_log_missing_a_column(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = pipeline_log(tmp_path / "nocol.h5", steps=3)
+    with h5py.File(path, "a") as f:
+        del f["steps/loss"]
+        del f["ranks/2/wait_s"]
+    _expect_error([str(path)], capsys, "/steps lacks column(s) loss")
+
+
+@pytest.mark.timeout(60)
+def test_log_missing_an_event_column(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = pipeline_log(tmp_path / "noevent.h5", steps=3)
+    with h5py.File(path, "a") as f:
+        del f["events/kind"]
+    _expect_error([str(path)], capsys, "noevent.h5", "kind")
+
+
+@pytest.mark.timeout(60)
+def test_hdf5_file_cut_in_half(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = pipeline_log(tmp_path / "cut.h5", steps=3)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    _expect_error([str(path)], capsys, "cut.h5")
+
+
+@pytest.mark.timeout(60)
+def test_one_bad_log_among_good_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = pipeline_log(tmp_path / "good.h5", steps=3)
+    _expect_error([str(good), str(tmp_path / "gone.h5")], capsys, "gone.h5")
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "mpipipe", "report", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_cli_end_to_end(tmp_path: Path) -> None:
+    log = pipeline_log(tmp_path / "respipe.h5")
+    done = _cli(str(log), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert "takeover" in done.stdout and "plots:" in done.stdout
+    assert_png(tmp_path / "out" / "respipe-training.png")
+
+
+@pytest.mark.timeout(150)
+def test_cli_bad_file_exits_2_without_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "junk.h5"
+    path.write_bytes(b"\x00" * 100)
+    done = _cli(str(path))
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().count("\n") == 0
+    assert "junk.h5" in done.stderr
