@@ -613,6 +613,13 @@ def run_report(args: argparse.Namespace, stdout: TextIO | None = None, stderr: T
             failed = True
     if failed:
         return 2
+    out = Path(args.out) if args.out else runs[0].path.parent
+    if not args.no_plots:
+        try:  # before any output, so that a bad --out is one error line and nothing else
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"{PROG}: error: cannot write plots to {out}: {_one_line(str(e))}", file=stderr)
+            return 2
     for run in runs:
         print(summarize(run), file=stdout)
         print(file=stdout)
@@ -620,7 +627,6 @@ def run_report(args: argparse.Namespace, stdout: TextIO | None = None, stderr: T
         print(compare(runs), file=stdout)
         print(file=stdout)
     if not args.no_plots:
-        out = Path(args.out) if args.out else runs[0].path.parent
         try:
             paths = plot_runs(runs, out)
         except OSError as e:

@@ -290,3 +290,24 @@ def test_cli_bad_file_exits_2_without_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().count("\n") == 0
     assert "junk.h5" in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_late_column_and_unwritable_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A per-rank column that first appears mid-run is back-filled; plots into a file path fail cleanly."""
+    path = tmp_path / "late.h5"
+    log = RunLog(path, system="stannis", config={}, comm_size=2, attrs={"plan": "0=host, 1=csd 1"})
+    for step in range(1, 6):
+        extra = {"batch_size": 16, "joules": 2.0} if step > 2 else {}
+        log.step(step, time=step * 0.1, loss=1.0, samples=32, samples_per_s=320.0,
+                 ranks={r: {"compute_s": 0.05, "wait_s": 0.0, "bytes_sent": 1, "bytes_recv": 1, **extra}
+                        for r in (0, 1)})
+    log.close()
+    code, out, err = run_main([str(path), "--out", str(tmp_path / "plots")], capsys)
+    assert code == 0, err
+    host = next(line for line in out.splitlines() if "host" in line and line.strip().startswith("0"))
+    assert " 16 " in host and "8.00" in host  # 48 samples over 6 J, from the three steps that have them
+    assert_png(tmp_path / "plots" / "late-stannis.png")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _expect_error([str(path), "--out", str(blocker)], capsys, "cannot write plots")
