@@ -37,17 +37,20 @@ _EVENT_COLUMNS = ("step", "time", "kind", "rank", "detail")
 # Events that recur every few steps: counted in the summary, not listed or marked one by one.
 ROUTINE_EVENTS = frozenset({"replica", "checkpoint", "late"})
 # Events listed in the summary but not drawn on plots (they say how, not when something happened).
-_UNMARKED_EVENTS = ROUTINE_EVENTS | {"energy_source"}
+_UNMARKED_EVENTS = ROUTINE_EVENTS | {"energy_source", "benchmark"}
 
 # Configuration keys worth a glance, in display order; other sections are shown whole.
 _HIGHLIGHTS = (
-    "model.name", "data.batch_size", "optim.name", "optim.lr", "run.steps", "run.epochs", "run.seed",
-    "pipeline.stages", "pipeline.chunks", "pipeline.schedule", "pipeline.balance",
+    "model.name", "data.batch_size", "optim.name", "optim.lr", "optim.base_batch", "run.steps", "run.epochs",
+    "run.seed", "pipeline.stages", "pipeline.chunks", "pipeline.schedule", "pipeline.balance",
     "resilience.backups", "resilience.replicate_every", "resilience.mode", "resilience.deadline_s",
-    "resilience.inject",
+    "resilience.deadline_factor", "resilience.inject",
+    "stannis.csds", "stannis.global_batch", "stannis.tune", "stannis.objective", "stannis.retune_every",
+    "stannis.imbalance_threshold", "stannis.inject", "csd.slowdown", "csd.slowdowns", "csd.emulated",
+    "host.energy",
 )
-_QUIET_SECTIONS = frozenset({"run", "data", "model", "optim", "pipeline", "resilience", "plan"})
-
+_QUIET_SECTIONS = frozenset({"run", "data", "model", "optim", "pipeline", "resilience", "plan",
+                             "stannis", "host", "csd"})
 
 # ---------------------------------------------------------------- loading
 

@@ -1,0 +1,32 @@
+"""`python -m mpipipe COMMAND`: the one entry point of the pipeline system (train, cost, report)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand registers itself with ``add_parser(subparsers)`` and sets ``func``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mpipipe",
+        description="Resilient pipeline-parallel CNN training on MPI (ResPipe), and its tools.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # ---- train: the pipeline engine registers here, e.g. `train.add_parser(sub)` ----
+    # ---- cost: the communication-cost model registers here, e.g. `costmodel.add_parser(sub)` ----
+    report.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line and run the chosen subcommand; its return value is the exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
