@@ -38,6 +38,8 @@ _EVENT_COLUMNS = ("step", "time", "kind", "rank", "detail")
 ROUTINE_EVENTS = frozenset({"replica", "checkpoint", "late"})
 # Events listed in the summary but not drawn on plots (they say how, not when something happened).
 _UNMARKED_EVENTS = ROUTINE_EVENTS | {"energy_source", "benchmark"}
+# A kind with more events than this in one run is not drawn either: the lines would hide the curves.
+_MAX_MARKED = 20
 
 # Configuration keys worth a glance, in display order; other sections are shown whole.
 _HIGHLIGHTS = (
@@ -258,6 +260,11 @@ def _event_line(ev: dict[str, Any], role: str) -> str:
             f"{'  '.join(timing)}{'  ' if timing and rest else ''}{rest}").rstrip()
 
 
+def _summarized(kind: str, counts: Counter[str]) -> bool:
+    """Routine kinds past 5 and any kind past 10 are counted, not listed (random delays make hundreds)."""
+    return counts[kind] > (5 if kind in ROUTINE_EVENTS else 10)
+
+
 def summarize(run: RunData) -> str:
     """The terminal summary of one run: what ran, how far, how fast, where time went, what happened."""
     a = run.attrs
@@ -330,9 +337,9 @@ def summarize(run: RunData) -> str:
     role_of = roles(run)
     counts = Counter(e["kind"] for e in run.events)
     for ev in run.events:
-        if ev["kind"] not in ROUTINE_EVENTS or counts[ev["kind"]] <= 5:
+        if not _summarized(ev["kind"], counts):
             lines.append(_event_line(ev, role_of.get(ev["rank"], "")))
-    for kind in sorted(k for k in counts if k in ROUTINE_EVENTS and counts[k] > 5):
+    for kind in sorted(k for k in counts if _summarized(k, counts)):
         steps = [e["step"] for e in run.events if e["kind"] == kind]
         lines.append(f"    {kind} x{counts[kind]} (steps {min(steps)}..{max(steps)})")
     return "\n".join(lines)
@@ -391,9 +398,10 @@ def _mark_events(ax: Any, run: RunData, color: Any, x: str, *, label_kinds: bool
 
     trans = blended_transform_factory(ax.transData, ax.transAxes)
     at: dict[float, list[str]] = {}
+    counts = Counter(e["kind"] for e in run.events)
     for ev in run.events:
         pos = float(ev[x])
-        if ev["kind"] in _UNMARKED_EVENTS or math.isnan(pos):
+        if ev["kind"] in _UNMARKED_EVENTS or counts[ev["kind"]] > _MAX_MARKED or math.isnan(pos):
             continue
         kinds = at.setdefault(pos, [])
         if ev["kind"] not in kinds:
@@ -447,8 +455,11 @@ def _legend_with_events(ax: Any, runs: Sequence[RunData]) -> None:
     from matplotlib.lines import Line2D
 
     handles, names = ax.get_legend_handles_labels()
-    kinds = sorted({e["kind"] for r in runs for e in r.events if e["kind"] not in _UNMARKED_EVENTS})
-    for kind in kinds:
+    kinds: set[str] = set()
+    for run in runs:
+        counts = Counter(e["kind"] for e in run.events)
+        kinds |= {k for k, n in counts.items() if k not in _UNMARKED_EVENTS and n <= _MAX_MARKED}
+    for kind in sorted(kinds):
         handles.append(Line2D([], [], color="grey", linestyle=_EVENT_STYLES.get(kind, "--")))
         names.append(f"event: {kind}")
     ax.legend(handles, names, fontsize=8)

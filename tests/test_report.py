@@ -311,3 +311,23 @@ def test_late_column_and_unwritable_out(tmp_path: Path, capsys: pytest.CaptureFi
     blocker = tmp_path / "file"
     blocker.write_text("")
     _expect_error([str(path), "--out", str(blocker)], capsys, "cannot write plots")
+
+
+@pytest.mark.timeout(120)
+def test_many_events_are_counted_not_listed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "delays.h5"
+    log = RunLog(path, system="mpipipe", config={}, comm_size=2, attrs={"plan": "0=stage 0, 1=stage 1"})
+    for step in range(1, 201):
+        log.step(step, time=step * 0.01, loss=1.0, samples=8, samples_per_s=800.0,
+                 ranks={r: {"compute_s": 0.005, "wait_s": 0.005, "bytes_sent": 1, "bytes_recv": 1} for r in (0, 1)})
+        if step % 4 == 0:
+            log.event("fault_injected", step=step, rank=1, time=step * 0.01, fault="delay", seconds=0.01)
+            log.event("late", step=step, rank=1, time=step * 0.01, waited_s=0.02)
+    log.event("takeover", step=150, rank=1, time=1.5, recovery_s=0.25)
+    log.close()
+    code, out, err = run_main([str(path), "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "fault_injected x50 (steps 4..200)" in out and "late x50 (steps 4..200)" in out
+    assert out.count("fault_injected") == 1
+    assert "takeover" in out and "recovery 0.250 s" in out
+    assert_png(tmp_path / "delays-training.png")
