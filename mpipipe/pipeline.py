@@ -1,0 +1,364 @@
+"""The pipeline engine: one stage per rank, micro-batches forward and back, gradients accumulated."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .partition import split
+from .schedule import actions
+from .transport import ACT, EVAL, GRAD, LABEL, SHADOW, Transport
+
+__all__ = ["Pipeline", "Route", "EVAL_LABEL_MICRO"]
+
+# Evaluation labels travel with kind EVAL and this micro index, which no micro-batch uses.
+EVAL_LABEL_MICRO = 1023
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which communicator rank serves each stage, and the generation of that assignment.
+
+    Resilience replaces a route with one where a failed or late stage is served by its
+    backup and the generation is one higher; messages carry the generation in their tag,
+    so nothing sent under an older route is ever received under the new one.
+
+    `shadows` lists (stage, rank) pairs: rank also receives a copy of the input
+    activations of stage (kind SHADOW), for hot backups that run the stage's forward.
+    """
+
+    ranks: tuple[int, ...]
+    generation: int = 0
+    shadows: tuple[tuple[int, int], ...] = field(default=())
+
+    @classmethod
+    def default(cls, stages: int) -> Route:
+        """Stage k on rank k, generation 0."""
+        return cls(tuple(range(stages)))
+
+    @classmethod
+    def from_plan(cls, plan: object, stages: int, generation: int = 0) -> Route:
+        """Stage k on the rank the launch plan gives role `stage k`."""
+        ranks = []
+        for k in range(stages):
+            found = plan.ranks_of("stage", k)  # type: ignore[attr-defined]
+            if len(found) != 1:
+                raise ValueError(f"the launch plan has {len(found)} ranks for stage {k}")
+            ranks.append(found[0])
+        return cls(tuple(ranks), generation)
+
+    def stage_of(self, rank: int) -> int | None:
+        """The stage `rank` serves, or None (a backup, or a rank left out)."""
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            return None
+
+    def shadows_of(self, stage: int) -> list[int]:
+        return [r for s, r in self.shadows if s == stage]
+
+    def moved(self, stage: int, rank: int) -> Route:
+        """This route with `stage` served by `rank`, one generation later."""
+        ranks = list(self.ranks)
+        ranks[stage] = rank
+        return Route(tuple(ranks), self.generation + 1, self.shadows)
+
+    def renumbered(self, mapping: Mapping[int, int], generation: int | None = None) -> Route:
+        """The same assignment in another communicator's numbering (after a Shrink)."""
+        gen = self.generation + 1 if generation is None else generation
+        return Route(tuple(mapping[r] for r in self.ranks), gen,
+                     tuple((s, mapping[r]) for s, r in self.shadows if r in mapping))
+
+
+class Pipeline:
+    """A synchronous micro-batch pipeline over MPI ranks, in the spirit of torchgpipe's GPipe.
+
+    Every rank builds the same `module` (same seed) and the same Pipeline; each keeps all
+    partitions (small CNNs) so that any rank can serve any stage after a takeover, and
+    runs the one its route gives it.
+
+    Labels travel: the first stage passes `y` with `x` and sends the whole mini-batch's
+    labels straight to the last stage (one LABEL message per step, payload 8 bytes per
+    sample). With `labels="local"` the last stage uses the `y` it is given instead (it
+    reads the labels itself) and nothing is sent.
+    """
+
+    def __init__(self, module: nn.Sequential, balance: Sequence[int], chunks: int,
+                 schedule: str = "gpipe", comm: object | None = None,
+                 route: Route | None = None, *, in_shape: Sequence[int] | None = None,
+                 labels: str = "travel", deadline: float | None = None,
+                 label_dtype: torch.dtype = torch.int64) -> None:
+        if comm is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if labels not in ("travel", "local"):
+            raise ValueError(f"labels must be 'travel' or 'local', got {labels!r}")
+        actions(schedule, 0, 1, 1)  # validates the name
+        self.module = module
+        self.partitions = split(module, balance)
+        self.balance = list(balance)
+        self.k = len(self.partitions)
+        self.chunks = chunks
+        self.schedule = schedule
+        self.labels = labels
+        self.label_dtype = label_dtype
+        self.deadline = deadline
+        self.in_shape = tuple(in_shape) if in_shape is not None else None
+        self._shapes: list[tuple[tuple[int, ...], torch.dtype]] | None = None
+        self.step_count = 0
+        self.eval_count = 0
+        self.last_compute_s = 0.0
+        self.last_wait_s = 0.0
+        self.comm = comm
+        self.route = route or Route.default(self.k)
+        self.transport = Transport(comm, self.route.generation)
+        self.rebind(self.route, comm)
+
+    # -- where this rank sits ----------------------------------------------------------
+    def rebind(self, route: Route, comm: object | None = None) -> None:
+        """Serve `route` (on `comm`, if given) from now on: after a takeover or shrink.
+
+        Pending sends of the old route are dropped; the byte counters carry over.
+
+        Raises:
+            ValueError: the route does not name one distinct rank of `comm` per stage.
+        """
+        comm = comm if comm is not None else self.comm
+        size = comm.Get_size()  # type: ignore[attr-defined]
+        if len(route.ranks) != self.k:
+            raise ValueError(f"route {route.ranks} has {len(route.ranks)} ranks for {self.k} stages")
+        if len(set(route.ranks)) != self.k or not all(0 <= r < size for r in route.ranks):
+            raise ValueError(f"route {route.ranks}: need {self.k} distinct ranks in 0..{size - 1}")
+        old = self.transport
+        old.discard()
+        self.transport = Transport(comm, route.generation)
+        if comm is self.comm:
+            self.transport.bytes_sent.update(old.bytes_sent)
+            self.transport.bytes_recv.update(old.bytes_recv)
+        self.transport.wait_s = old.wait_s
+        self.comm, self.route = comm, route
+        self.rank = comm.Get_rank()  # type: ignore[attr-defined]
+        self.stage = route.stage_of(self.rank)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.k - 1
+
+    @property
+    def stage_module(self) -> nn.Sequential | None:
+        """This rank's partition, or None on a rank without a stage."""
+        return None if self.stage is None else self.partitions[self.stage]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (nothing on a rank without a stage), for its optimizer."""
+        if self.stage is None:
+            return iter(())
+        return self.partitions[self.stage].parameters()
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    # -- shapes ------------------------------------------------------------------------
+    def boundary_shapes(self, in_shape: Sequence[int] | None = None
+                        ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per-sample shape and dtype entering each stage (and leaving the last).
+
+        Computed once, locally, by a no-grad forward of two zero samples through all
+        partitions, so that receivers can size buffers without a header message.
+        """
+        if self._shapes is None:
+            shape = self.in_shape or (tuple(in_shape) if in_shape is not None else None)
+            if shape is None:
+                raise ValueError("this stage does not get x and cannot infer activation "
+                                 "shapes: pass in_shape=(C, H, W) to Pipeline")
+            self.in_shape = tuple(shape)
+            modes = [m.training for m in self.module.modules()]
+            self.module.eval()
+            try:
+                with torch.no_grad():
+                    x = torch.zeros(2, *shape)
+                    shapes = [(tuple(x.shape[1:]), x.dtype)]
+                    for part in self.partitions:
+                        x = part(x)
+                        shapes.append((tuple(x.shape[1:]), x.dtype))
+            finally:
+                for m, mode in zip(self.module.modules(), modes, strict=True):
+                    m.training = mode
+            self._shapes = shapes
+        return self._shapes
+
+    # -- one training step -------------------------------------------------------------
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, loss_fn: LossFn, *,
+             step: int | None = None) -> float | None:
+        """Forward and backward all micro-batches of one mini-batch; return the loss.
+
+        `x` is read on the first stage and `y` on the first stage (labels travel) or the
+        last (labels="local"). Gradients are zeroed first and then accumulated into this
+        stage's parameters; the optimizer is never stepped here, so a step interrupted
+        by a failure can be replayed as a whole. `loss_fn` must return the mean over a
+        micro-batch; micro-batch i is weighted by its share n_i / B so that gradients
+        and loss equal those of the whole mini-batch. Returns the mini-batch loss on the
+        last stage and None elsewhere.
+
+        Raises:
+            Late: a message missed `self.deadline`.
+            PeerFailed: a peer died (ULFM).
+            ValueError: a mini-batch with fewer samples than micro-batches.
+        """
+        if self.stage is None:
+            return None
+        step_no = self.step_count if step is None else step
+        t0 = time.perf_counter()
+        wait0 = self.transport.wait_s
+        stage, t = self.stage, self.transport
+        part = self.partitions[stage]
+        m, deadline = self.chunks, self.deadline
+        prev_rank = self.route.ranks[stage - 1] if stage > 0 else -1
+        next_rank = self.route.ranks[stage + 1] if stage < self.k - 1 else -1
+        self.zero_grad()
+
+        xs: Sequence[torch.Tensor] = ()
+        if self.first:
+            if x is None:
+                raise ValueError("the first stage needs x")
+            if len(x) < m:
+                raise ValueError(f"a mini-batch of {len(x)} samples cannot make {m} "
+                                 f"micro-batches; use a batch size >= chunks")
+            xs = x.tensor_split(m)
+            self.boundary_shapes(x.shape[1:])
+        shapes = self.boundary_shapes()
+        ys = self._labels(y, step_no, 0, LABEL) \
+            if (self.first or self.last) else None
+        total = sum(len(v) for v in ys) if (self.last and ys is not None) else 0
+
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        loss_sum = 0.0
+        try:
+            for op, i in actions(self.schedule, stage, self.k, m):
+                if op == "F":
+                    if self.first:
+                        inp = xs[i]
+                    else:
+                        shape, dtype = shapes[stage]
+                        inp = t.recv_rows(shape, dtype, prev_rank, kind=ACT, step=step_no,
+                                          micro=i, deadline=deadline)
+                        inp.requires_grad_(inp.is_floating_point())
+                    for r in self.route.shadows_of(stage):
+                        t.send(inp, r, kind=SHADOW, step=step_no, micro=i)
+                    out = part(inp)
+                    if self.last:
+                        assert ys is not None
+                        out = loss_fn(out, ys[i]) * (len(ys[i]) / total)
+                        loss_sum += float(out.detach())
+                    else:
+                        t.send(out, next_rank, kind=ACT, step=step_no, micro=i)
+                    saved[i] = (inp, out)
+                else:
+                    inp, out = saved.pop(i)
+                    if self.last:
+                        grad = None
+                    else:
+                        grad = t.recv(torch.empty_like(out), next_rank, kind=GRAD,
+                                      step=step_no, micro=i, deadline=deadline)
+                    if out.requires_grad:
+                        out.backward(grad)
+                    if not self.first:
+                        g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+                        t.send(g, prev_rank, kind=GRAD, step=step_no, micro=i)
+            t.flush(deadline)
+        except BaseException:
+            saved.clear()
+            t.discard()
+            raise
+        finally:
+            elapsed = time.perf_counter() - t0
+            self.last_wait_s = t.wait_s - wait0
+            self.last_compute_s = elapsed - self.last_wait_s
+        self.step_count = step_no + 1
+        return loss_sum if self.last else None
+
+    def _labels(self, y: torch.Tensor | None, step_no: int, micro: int,
+                kind: int) -> list[torch.Tensor] | None:
+        """Labels of each micro-batch on the last stage; the first stage sends them."""
+        m = self.chunks
+        if self.labels == "local" or (self.first and self.last):
+            if not self.last:
+                return None
+            if y is None:
+                raise ValueError("the last stage needs y (labels='local')")
+            return list(y.tensor_split(m))
+        if self.first:
+            if y is None:
+                raise ValueError("the first stage needs y: labels travel from it to the "
+                                 "last stage")
+            self.transport.send(y.to(self.label_dtype), self.route.ranks[-1], kind=kind,
+                                step=step_no, micro=micro)
+            return None
+        whole = self.transport.recv_rows((), self.label_dtype, self.route.ranks[0], kind=kind,
+                                         step=step_no, micro=micro, deadline=self.deadline)
+        return list(whole.tensor_split(m))
+
+    # -- evaluation --------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor | None, y: torch.Tensor | None
+                 ) -> tuple[int, int] | None:
+        """Forward-only pass of one batch; (correct, count) on the last stage, else None.
+
+        Every stage must call it the same number of times; messages use kind EVAL and
+        their own counter, so evaluation never mixes with training traffic.
+        """
+        if self.stage is None:
+            return None
+        seq = self.eval_count
+        stage, t, m = self.stage, self.transport, self.chunks
+        part = self.partitions[stage]
+        prev_rank = self.route.ranks[stage - 1] if stage > 0 else -1
+        next_rank = self.route.ranks[stage + 1] if stage < self.k - 1 else -1
+        was_training = part.training
+        part.eval()
+        try:
+            xs: Sequence[torch.Tensor] = ()
+            if self.first:
+                if x is None:
+                    raise ValueError("the first stage needs x")
+                xs = x.tensor_split(m)
+                self.boundary_shapes(x.shape[1:])
+            shapes = self.boundary_shapes()
+            ys = self._labels(y, seq, EVAL_LABEL_MICRO, EVAL) if (self.first or self.last) \
+                else None
+            correct = count = 0
+            for i in range(m):
+                if self.first:
+                    inp = xs[i]
+                else:
+                    shape, dtype = shapes[stage]
+                    inp = t.recv_rows(shape, dtype, prev_rank, kind=EVAL, step=seq, micro=i,
+                                      deadline=self.deadline)
+                out = part(inp)
+                if self.last:
+                    assert ys is not None
+                    correct += int((out.argmax(1) == ys[i]).sum())
+                    count += len(ys[i])
+                else:
+                    t.send(out, next_rank, kind=EVAL, step=seq, micro=i)
+            t.flush(self.deadline)
+        except BaseException:
+            t.discard()
+            raise
+        finally:
+            part.train(was_training)
+        self.eval_count = seq + 1
+        return (correct, count) if self.last else None
