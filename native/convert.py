@@ -1,0 +1,404 @@
+"""Convert image data sets (digits, CIFAR-10 binary, MNIST IDX, npz, synthetic) into shard data sets.
+
+Every converter writes OUT/train and OUT/test, each a data set directory
+(shards + manifest.json) with fields `image` (per-record shape C,H,W) and
+`label` (int64). Re-running a conversion replaces the data set in OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .reader import open_dataset
+from .schema import describe
+from .writer import DatasetWriter
+
+CIFAR_RECORD = 1 + 3 * 32 * 32
+IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+CHUNK = 16384
+
+
+class ConvertError(ValueError):
+    """Input that a converter cannot use; the message names the file and what is wrong."""
+
+
+def split_holdout(
+    n: int, fraction: float, seed: int, labels: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic (train, test) index split; stratified by label when labels are given,
+    so every class appears in the held-out set. Both come back shuffled."""
+    if not 0.0 < fraction < 1.0:
+        raise ConvertError(f"--test-fraction must be between 0 and 1, got {fraction}")
+    rng = np.random.default_rng(seed)
+    if labels is None:
+        perm = rng.permutation(n)
+        k = max(1, round(n * fraction))
+        return perm[k:], perm[:k]
+    train, test = [], []
+    for c in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == c))
+        k = max(1, round(len(members) * fraction)) if len(members) > 1 else 0
+        test.append(members[:k])
+        train.append(members[k:])
+    tr, te = np.concatenate(train), np.concatenate(test)
+    return rng.permutation(tr), rng.permutation(te)
+
+
+def write_split(out: Path, name: str, images: np.ndarray, labels: np.ndarray, shard_records: int | None) -> Path:
+    """Write one split (images N,C,H,W; labels N) as OUT/name."""
+    directory = out / name
+    schema = {"image": (images.dtype, images.shape[1:]), "label": ("int64", ())}
+    with DatasetWriter(directory, schema, shard_records=shard_records, overwrite=True) as w:
+        for lo in range(0, len(images), CHUNK):
+            w.write({"image": images[lo : lo + CHUNK], "label": labels[lo : lo + CHUNK].astype(np.int64)})
+    return directory
+
+
+def summarize(directory: Path) -> str:
+    """One line: what was written and how fast it reads back (shuffled batches of 256)."""
+    ds = open_dataset(directory)
+    n = len(ds)
+    total = sum(int(s["bytes"]) for s in ds.manifest["shards"])
+    ds.verify()  # checks every file and record, and warms the page cache
+    order = np.random.default_rng(0).permutation(n)
+    out = ds.empty(256)
+    t0 = time.perf_counter()
+    for lo in range(0, n, 256):
+        ds.read(order[lo : lo + 256], out=out)
+    dt = max(time.perf_counter() - t0, 1e-9)
+    rec = sum(f.dtype.itemsize * int(np.prod(f.shape)) for f in ds.schema)
+    ds.close()
+    return (
+        f"{directory}: {n} records in {len(ds.manifest['shards'])} shard(s), "
+        f"{total / 1e6:.2f} MB [{describe(ds.schema)}]; read back shuffled in "
+        f"{dt * 1e3:.1f} ms ({n * rec / dt / 1e9:.2f} GB/s)"
+    )
+
+
+def _check_labels(labels: np.ndarray, source: str, classes: int | None = None) -> None:
+    if labels.size and labels.min() < 0:
+        raise ConvertError(f"{source}: negative label {labels.min()}")
+    if classes is not None and labels.size and labels.max() >= classes:
+        bad = int(np.argmax(labels >= classes))
+        raise ConvertError(f"{source}: record {bad} has label {labels[bad]}, expected 0..{classes - 1}")
+
+
+# ---- sources --------------------------------------------------------------
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled 8x8 digits: image float32 (1,8,8) in [0,1], label int64."""
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    d = sk_load_digits()
+    images = (d.images.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    return images, d.target.astype(np.int64)
+
+
+def load_cifar10_bin(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR-10 binary batch: records of 1 label byte + 3,072 pixel bytes (R, G, B planes)."""
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size == 0 or raw.size % CIFAR_RECORD:
+        raise ConvertError(
+            f"{path}: {raw.size} bytes is not a whole number of CIFAR-10 records "
+            f"({CIFAR_RECORD} bytes each: 1 label + 3072 pixels); the file is truncated or "
+            f"not the binary version (byte {raw.size - raw.size % CIFAR_RECORD} starts a "
+            "partial record)"
+        )
+    rows = raw.reshape(-1, CIFAR_RECORD)
+    labels = rows[:, 0].astype(np.int64)
+    _check_labels(labels, str(path), 10)
+    return rows[:, 1:].reshape(-1, 3, 32, 32), labels
+
+
+def _idx_open(path: Path) -> bytes:
+    data = Path(path).read_bytes()
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as exc:
+            raise ConvertError(f"{path}: damaged gzip stream: {exc}") from exc
+    return data
+
+
+def load_idx(path: Path) -> np.ndarray:
+    """An IDX file (MNIST's format), raw or gzip-compressed."""
+    data = _idx_open(path)
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise ConvertError(f"{path}: not an IDX file (bytes 0-1 must be zero)")
+    kind, ndim = data[2], data[3]
+    if kind not in IDX_TYPES:
+        raise ConvertError(f"{path}: unknown IDX element type 0x{kind:02x} at byte 2")
+    if ndim == 0 or len(data) < 4 + 4 * ndim:
+        raise ConvertError(f"{path}: truncated IDX header ({ndim} dimensions)")
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    dtype = np.dtype(IDX_TYPES[kind])
+    need = int(np.prod(dims)) * dtype.itemsize
+    start = 4 + 4 * ndim
+    if len(data) - start != need:
+        raise ConvertError(
+            f"{path}: dimensions {dims} need {need} data bytes after byte {start}, the file has {len(data) - start}"
+        )
+    return np.frombuffer(data, dtype=dtype, offset=start).reshape(dims)
+
+
+def load_mnist_idx(images: Path, labels: Path) -> tuple[np.ndarray, np.ndarray]:
+    x = load_idx(images)
+    y = load_idx(labels)
+    if x.ndim != 3:
+        raise ConvertError(f"{images}: expected N x rows x cols images, got shape {x.shape}")
+    if y.ndim != 1 or len(y) != len(x):
+        raise ConvertError(f"{labels}: expected {len(x)} labels, got shape {y.shape}")
+    if x.dtype != np.uint8:
+        raise ConvertError(f"{images}: expected unsigned bytes, got {x.dtype}")
+    y = y.astype(np.int64)
+    _check_labels(y, str(labels))
+    return x[:, None, :, :], y
+
+
+def _nchw(x: np.ndarray, source: str) -> np.ndarray:
+    if x.ndim == 3:
+        return x[:, None]
+    if x.ndim == 4 and x.shape[1] in (1, 3, 4):
+        return x
+    if x.ndim == 4 and x.shape[3] in (1, 3, 4):
+        return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    raise ConvertError(f"{source}: images must be N,H,W or N,C,H,W or N,H,W,C with C in 1/3/4, got {x.shape}")
+
+
+def _image_dtype(x: np.ndarray, source: str) -> np.ndarray:
+    if x.dtype == np.uint8:
+        return x
+    if x.dtype.kind == "f":
+        return x.astype(np.float32)
+    raise ConvertError(f"{source}: images must be uint8 or floating point, got {x.dtype}")
+
+
+def load_npz(path: Path) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
+    """Keys x_train/y_train[/x_test/y_test] (Keras style), or images/labels, or x/y."""
+    with np.load(path, allow_pickle=False) as z:
+        keys = set(z.files)
+        pairs = [("x_train", "y_train"), ("images", "labels"), ("x", "y")]
+        for xk, yk in pairs:
+            if xk in keys and yk in keys:
+                break
+        else:
+            raise ConvertError(f"{path}: expected arrays x_train/y_train, images/labels or x/y; found {sorted(keys)}")
+        out = []
+        for a, b in [(xk, yk)] + ([("x_test", "y_test")] if {"x_test", "y_test"} <= keys else []):
+            x = _image_dtype(_nchw(z[a], f"{path}[{a}]"), f"{path}[{a}]")
+            y = z[b].reshape(-1)
+            if y.dtype.kind not in "iu":
+                raise ConvertError(f"{path}[{b}]: labels must be integers, got {y.dtype}")
+            if len(y) != len(x):
+                raise ConvertError(f"{path}: {len(x)} images but {len(y)} labels in {a}/{b}")
+            y = y.astype(np.int64)
+            _check_labels(y, f"{path}[{b}]")
+            out.append((x, y))
+    return out[0], (out[1] if len(out) > 1 else None)
+
+
+def make_synthetic(
+    shape: tuple[int, ...], classes: int, count: int, seed: int, dtype: str
+) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(count, *shape), dtype=np.uint8)
+    if dtype == "float32":
+        images = images.astype(np.float32) / 255.0
+    return images, rng.integers(0, classes, size=count).astype(np.int64)
+
+
+# ---- command line -----------------------------------------------------------
+
+
+def _float_images(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32" and x.dtype == np.uint8:
+        return x.astype(np.float32) / 255.0
+    return x
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected C,H,W integers, got {text!r}") from exc
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected three positive integers C,H,W, got {text!r}")
+    return shape
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m native.convert",
+        description="Convert image data into shard data sets OUT/train and OUT/test "
+        "(fields: image C,H,W and label int64). Re-running replaces OUT's data sets.",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--shard-records",
+        type=int,
+        default=None,
+        metavar="N",
+        help="records per shard file (default: about 64 MB per shard)",
+    )
+    common.add_argument("--seed", type=int, default=0, help="seed of the deterministic held-out split (default 0)")
+    common.add_argument(
+        "--test-fraction",
+        type=float,
+        default=0.2,
+        metavar="F",
+        help="held-out share when the input has no test split (default 0.2)",
+    )
+    common.add_argument("--quiet", action="store_true", help="print nothing on success")
+    sub = p.add_subparsers(dest="source", required=True, metavar="SOURCE")
+
+    s = sub.add_parser(
+        "digits",
+        parents=[common],
+        help="scikit-learn's bundled 8x8 digits (1,797 images; the demo data)",
+        description="scikit-learn's bundled digits: image float32 (1,8,8) in "
+        "[0,1], label int64; a stratified held-out test split.",
+    )
+    s.add_argument("out", type=Path, metavar="OUT")
+
+    s = sub.add_parser(
+        "cifar10-bin",
+        parents=[common],
+        help="CIFAR-10 binary version files (data_batch_N.bin, test_batch.bin)",
+        description="CIFAR-10 binary version: 1 label byte + 3,072 pixel bytes per "
+        "record. Files named test* go to OUT/test; without one a fraction is "
+        "held out.",
+    )
+    s.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    s.add_argument("out", type=Path, metavar="OUT")
+    s.add_argument(
+        "--dtype",
+        choices=["uint8", "float32"],
+        default="uint8",
+        help="stored image type; float32 scales to [0,1] (default uint8)",
+    )
+
+    s = sub.add_parser(
+        "mnist-idx",
+        parents=[common],
+        help="MNIST-style IDX image and label files (raw or .gz)",
+        description="An IDX images file (N x H x W bytes) and its IDX labels, "
+        "raw or gzip. Give --test-images/--test-labels for the t10k pair; "
+        "otherwise a fraction is held out.",
+    )
+    s.add_argument("images", type=Path, metavar="IMAGES")
+    s.add_argument("labels", type=Path, metavar="LABELS")
+    s.add_argument("out", type=Path, metavar="OUT")
+    s.add_argument("--test-images", type=Path, default=None)
+    s.add_argument("--test-labels", type=Path, default=None)
+    s.add_argument(
+        "--dtype",
+        choices=["uint8", "float32"],
+        default="uint8",
+        help="stored image type; float32 scales to [0,1] (default uint8)",
+    )
+
+    s = sub.add_parser(
+        "npz",
+        parents=[common],
+        help="a numpy .npz of images and labels",
+        description="A .npz with x_train/y_train (and x_test/y_test), or "
+        "images/labels, or x/y. Images N,H,W or N,C,H,W or N,H,W,C; uint8 or "
+        "float (stored as float32).",
+    )
+    s.add_argument("file", type=Path, metavar="FILE")
+    s.add_argument("out", type=Path, metavar="OUT")
+
+    s = sub.add_parser(
+        "synthetic",
+        parents=[common],
+        help="random images for benchmarks",
+        description="Random uint8 images and uniform labels (for throughput "
+        "benchmarks; there is nothing to learn in them).",
+    )
+    s.add_argument("out", type=Path, metavar="OUT")
+    s.add_argument(
+        "--shape",
+        type=_parse_shape,
+        default=(3, 32, 32),
+        metavar="C,H,W",
+        help="per-record image shape (default 3,32,32)",
+    )
+    s.add_argument("--classes", type=int, default=10, metavar="K")
+    s.add_argument("--count", type=int, default=10000, metavar="N", help="training records")
+    s.add_argument("--test-count", type=int, default=None, metavar="M", help="test records (default N/10, at least 1)")
+    s.add_argument("--dtype", choices=["uint8", "float32"], default="uint8")
+    return p
+
+
+def convert(args: argparse.Namespace) -> list[Path]:
+    """Run one conversion; returns the data set directories written."""
+    out: Path = args.out
+    test: tuple[np.ndarray, np.ndarray] | None = None
+    if args.source == "digits":
+        x, y = load_digits()
+        tr, te = split_holdout(len(y), args.test_fraction, args.seed, y)
+        train, test = (x[tr], y[tr]), (x[te], y[te])
+    elif args.source == "cifar10-bin":
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "test": []}
+        for f in args.files:
+            parts["test" if f.name.startswith("test") else "train"].append(load_cifar10_bin(f))
+        if not parts["train"]:
+            raise ConvertError("cifar10-bin: no training files given (only test*)")
+        train = tuple(np.concatenate(a) for a in zip(*parts["train"], strict=True))
+        if parts["test"]:
+            test = tuple(np.concatenate(a) for a in zip(*parts["test"], strict=True))
+        train = (_float_images(train[0], args.dtype), train[1])
+        if test is not None:
+            test = (_float_images(test[0], args.dtype), test[1])
+    elif args.source == "mnist-idx":
+        x, y = load_mnist_idx(args.images, args.labels)
+        train = (_float_images(x, args.dtype), y)
+        if (args.test_images is None) != (args.test_labels is None):
+            raise ConvertError("mnist-idx: give both --test-images and --test-labels, or neither")
+        if args.test_images is not None:
+            tx, ty = load_mnist_idx(args.test_images, args.test_labels)
+            test = (_float_images(tx, args.dtype), ty)
+    elif args.source == "npz":
+        train, test = load_npz(args.file)
+    elif args.source == "synthetic":
+        if args.count < 1 or args.classes < 1:
+            raise ConvertError("synthetic: --count and --classes must be >= 1")
+        m = args.test_count if args.test_count is not None else max(1, args.count // 10)
+        train = make_synthetic(args.shape, args.classes, args.count, args.seed, args.dtype)
+        test = make_synthetic(args.shape, args.classes, max(1, m), args.seed + 1, args.dtype)
+    else:  # pragma: no cover - argparse restricts the choices
+        raise ConvertError(f"unknown source {args.source}")
+    if test is None:
+        tr, te = split_holdout(len(train[1]), args.test_fraction, args.seed)
+        tr.sort()
+        te.sort()
+        train, test = (train[0][tr], train[1][tr]), (train[0][te], train[1][te])
+    return [write_split(out, "train", *train, args.shard_records), write_split(out, "test", *test, args.shard_records)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        t0 = time.perf_counter()
+        written = convert(args)
+        if not args.quiet:
+            print(f"converted {args.source} in {time.perf_counter() - t0:.2f} s")
+            for d in written:
+                print(summarize(d))
+    except (ValueError, OSError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
