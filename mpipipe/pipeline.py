@@ -13,10 +13,13 @@ from .partition import split
 from .schedule import actions
 from .transport import ACT, EVAL, GRAD, LABEL, SHADOW, Transport
 
-__all__ = ["Pipeline", "Route", "EVAL_LABEL_MICRO"]
+__all__ = ["Pipeline", "Route", "EVAL_LABEL_MICRO", "SHADOW_GRAD_MICRO"]
 
 # Evaluation labels travel with kind EVAL and this micro index, which no micro-batch uses.
 EVAL_LABEL_MICRO = 1023
+# Hot backups (resilience): with `relay_grads`, a stage also relays the gradient of its
+# output for micro-batch i to its shadows as SHADOW micro SHADOW_GRAD_MICRO + i.
+SHADOW_GRAD_MICRO = 512
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -117,6 +120,7 @@ class Pipeline:
         self.eval_count = 0
         self.last_compute_s = 0.0
         self.last_wait_s = 0.0
+        self.relay_grads = False  # set by resilience in hot mode
         self.comm = comm
         self.route = route or Route.default(self.k)
         self.transport = Transport(comm, self.route.generation)
@@ -273,6 +277,9 @@ class Pipeline:
                     else:
                         grad = t.recv(torch.empty_like(out), next_rank, kind=GRAD,
                                       step=step_no, micro=i, deadline=deadline)
+                        for r in self.route.shadows_of(stage) if self.relay_grads else ():
+                            t.send(grad, r, kind=SHADOW, step=step_no,
+                                   micro=SHADOW_GRAD_MICRO + i)
                     if out.requires_grad:
                         out.backward(grad)
                     if not self.first:
