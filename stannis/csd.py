@@ -1,8 +1,12 @@
 """The emulated computational storage device: a speed profile and a power profile.
 
 There is no CSD on these machines. A CSD rank is an ordinary process whose
-each step's compute time is stretched by a slow-down factor (it sleeps for the
-extra time, so it yields its core instead of stealing it from the host), runs
+each step's compute time is stretched by a slow-down factor: its step lasts
+``factor`` times the CPU time its forward and backward passes took (it sleeps
+for the rest, so it yields its core instead of stealing it from the host). CPU
+time, not wall time, is the base because on a machine with fewer cores than
+ranks the wall time also counts the time a rank waited for a core, which a
+real device with its own cores would not; runs
 with a given number of torch threads, and is charged energy by a power model
 (idle and active watts). On real CSDs the factor is 1 and nothing is stretched.
 A ``slow`` fault multiplies the factor from a given step on, to emulate other
@@ -64,9 +68,15 @@ class Stretch:
             raise ValueError(f"slow factor must be > 0, got {factor}")
         self.extra *= factor
 
-    def apply(self, compute_s: float) -> float:
-        """Sleep so that ``compute_s`` of work lasts ``factor * compute_s``; return that."""
-        extra = (self.factor - 1.0) * max(compute_s, 0.0)
-        if extra > 0:
-            self._sleep(extra)
-        return compute_s + max(extra, 0.0)
+    def apply(self, cpu_s: float, wall_s: float | None = None) -> float:
+        """Stretch a step whose compute took ``cpu_s`` of CPU and ``wall_s`` so far.
+
+        Sleeps until ``factor * cpu_s`` of wall time has passed (nothing if the
+        step already took that long) and returns ``factor * cpu_s``: the compute
+        time of the emulated device, which the tuner balances.
+        """
+        target = self.factor * max(cpu_s, 0.0)
+        wall = cpu_s if wall_s is None else wall_s
+        if target > wall:
+            self._sleep(target - wall)
+        return target

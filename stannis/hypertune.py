@@ -14,13 +14,16 @@ unit-tested without MPI. The papers give only abstracts; the rule is ours:
   tuner may stretch the step to move samples to the ranks that are cheap per
   sample; ``mix`` weighs the two, each normalised by its own optimum;
 * while training, ranks share their compute times every few steps; when the
-  imbalance ``1 - min/max`` passes a threshold the per-sample times are refitted
-  from what was observed and the batches recomputed at the next step boundary.
+  imbalance ``1 - min/max`` passes a threshold each rank's step model is scaled
+  to what was observed, the batches are recomputed, and the new plan is taken
+  at the next step boundary if it predicts a clear gain (hysteresis: noise on
+  a shared machine must not make batch sizes flap).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -248,21 +251,41 @@ def imbalance(step_times: Sequence[float]) -> float:
 
 def refit(profiles: Sequence[RankProfile], batches: Sequence[int],
           observed_s: Sequence[float]) -> list[RankProfile]:
-    """Update each busy rank's per-sample time from its observed compute time.
+    """Scale each busy rank's step model so that it predicts the observed compute time.
 
-    The overhead from the benchmark is kept and the rest of the observed time is
-    spread over the batch, so a rank slowed by other work on its drive gets a
-    proportionally larger per-sample time. Ranks that did no work keep their
-    model.
+    A rank slowed by other work on its drive (or by an emulated slow-down) runs
+    its whole step slower, overhead included, so both terms are scaled by
+    ``observed / predicted``. When the model was right the factor is 1 and
+    nothing changes. Ranks that did no work keep their model.
     """
     out = []
     for p, b, t in zip(profiles, batches, observed_s, strict=True):
-        if b <= 0 or t <= 0:
+        predicted = p.model.time(b)
+        if b <= 0 or t <= 0 or predicted <= 0:
             out.append(p)
             continue
-        per_sample = max((t - p.model.overhead_s) / b, t / b * 0.05, 1e-9)
-        out.append(replace(p, model=StepModel(p.model.overhead_s, per_sample)))
+        k = t / predicted
+        out.append(replace(p, model=StepModel(p.model.overhead_s * k, p.model.per_sample_s * k)))
     return out
+
+
+def gain(current: Plan, candidate: Plan, objective: str = "throughput",
+         mix_weight: float = 0.5) -> float:
+    """Relative improvement of ``candidate`` over ``current`` under ``objective``.
+
+    The trainer switches plans only when this passes a margin, so measurement
+    noise does not make batch sizes flap back and forth.
+    """
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else (math.inf if a > 0 else 1.0)
+
+    sps = ratio(candidate.samples_per_s, current.samples_per_s)
+    spj = ratio(candidate.samples_per_joule, current.samples_per_joule)
+    if objective == "throughput":
+        return sps - 1.0
+    if objective == "energy":
+        return spj - 1.0
+    return mix_weight * sps + (1 - mix_weight) * spj - 1.0
 
 
 def should_retune(step_times: Sequence[float], threshold: float) -> bool:

@@ -13,6 +13,7 @@ from stannis.hypertune import (
     equalise,
     evaluate,
     fit_step_model,
+    gain,
     imbalance,
     refit,
     scaled_lr,
@@ -170,3 +171,25 @@ def test_tuned_plan_respects_caps_and_beats_equal_split(per_sample, overhead, ca
     if sum(share) == plan.global_batch:
         assert plan.step_s <= evaluate(profiles, share).step_s + 1e-12
     assert math.isfinite(plan.samples_per_s)
+
+
+def test_refit_scales_the_whole_step_and_keeps_correct_models() -> None:
+    p = RankProfile(StepModel(0.01, 0.002), 100)
+    same = refit([p], [10], [p.model.time(10)])[0]
+    assert same.model.overhead_s == pytest.approx(0.01)
+    assert same.model.per_sample_s == pytest.approx(0.002)
+    slow = refit([p], [10], [3 * p.model.time(10)])[0]
+    assert slow.model.overhead_s == pytest.approx(0.03)
+    assert slow.model.per_sample_s == pytest.approx(0.006)
+    idle = refit([p], [0], [0.0])[0]
+    assert idle == p
+
+
+def test_gain_per_objective() -> None:
+    profiles = _host_and_csds(host_idle=40.0, host_active=100.0, csd_idle=5.0, csd_active=10.0)
+    equal = evaluate(profiles, (39, 39, 38, 38, 38))
+    tuned = tune(profiles, 192)
+    assert gain(equal, tuned) > 1.0
+    assert gain(tuned, tuned) == pytest.approx(0.0)
+    assert gain(equal, tuned, "energy") > 0
+    assert gain(equal, tuned, "mix", 0.5) > 0

@@ -68,6 +68,11 @@ def test_stretch_sleeps_for_the_extra_time() -> None:
     s.slow_by(2.0)
     assert s.factor == 16.0
     assert Stretch(1.0, sleep=slept.append).apply(0.5) == 0.5 and len(slept) == 1
+    # Time spent waiting for a core counts towards the stretch, not on top of it.
+    assert Stretch(4.0, sleep=slept.append).apply(0.01, wall_s=0.03) == pytest.approx(0.04)
+    assert slept[-1] == pytest.approx(0.01)
+    assert Stretch(2.0, sleep=slept.append).apply(0.01, wall_s=0.05) == pytest.approx(0.02)
+    assert len(slept) == 2
 
 
 def test_csd_profile_checks_and_describes_itself() -> None:

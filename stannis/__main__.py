@@ -1,0 +1,83 @@
+"""Command line: `python -m stannis train|prepare|defaults`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mpipipe.cli import add_train_arguments
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m stannis",
+        description="Data-parallel training on one host and N computational storage devices "
+                    "(CSDs), with HyperTune batch sizing. Launch with mpirun -n 1+N.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train (under mpirun -n 1+N)")
+    add_train_arguments(train, system="stannis")
+    prep = sub.add_parser("prepare", help="split a data set into public and per-CSD private "
+                                          "shard directories (demo data)")
+    prep.add_argument("--source", default="data/digits",
+                      help="data set with train/ and test/ (made with native.convert digits "
+                           "if missing)")
+    prep.add_argument("--out", default="data/stannis-digits", help="where to write the split")
+    prep.add_argument("--csds", type=int, default=4, help="number of CSDs")
+    prep.add_argument("--public-share", type=float, default=0.5,
+                      help="share of the train set that is public (read by the host)")
+    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--overwrite", action="store_true", help="replace an existing split")
+    sub.add_parser("defaults", help="print the default configuration as TOML")
+    return parser
+
+
+def _defaults() -> str:
+    from .config import STANNIS_DEFAULTS
+
+    def value(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return f'"{v}"'
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{}"
+        return repr(v)
+
+    lines = []
+    for section, body in STANNIS_DEFAULTS.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in body.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "defaults":
+        print(_defaults(), end="")
+        return 0
+    if args.command == "prepare":
+        from native import ShardError
+
+        from .prepare import ensure_source, split
+        try:
+            ensure_source(Path(args.source))
+            info = split(Path(args.source), Path(args.out), csds=args.csds,
+                         public_share=args.public_share, seed=args.seed,
+                         overwrite=args.overwrite)
+        except (ValueError, ShardError) as e:
+            print(f"stannis prepare: error: {e}", file=sys.stderr)
+            return 2
+        print(f"stannis prepare: wrote {args.out}: " + ", ".join(
+            f"{k} {v}" for k, v in info["records"].items()) + f", public/test {info['test_records']}")
+        return 0
+    from .train import main as train_main
+
+    return train_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

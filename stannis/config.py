@@ -1,0 +1,170 @@
+"""Stannis's configuration schema and launch plan (loaded by mpipipe's one loader)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mpipipe.inject import FaultError, parse_all
+from mpipipe.roles import LaunchPlan, PlanError, Role
+
+from .csd import CsdProfile
+from .energy import SOURCES
+from .hypertune import OBJECTIVES
+
+# Power figures are assumptions for the power model, not measurements: a
+# two-socket-class host CPU and an ARM-based CSD (NGD Newport class). Replace
+# them with your hardware's figures; the log records which were used.
+STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "run": {
+        "seed": 0,  # seeds torch, every rank's shuffle and fault injection
+        "steps": 200,  # optimizer steps to train
+        "eval_every": 50,  # host evaluates on the public test split every N steps (0: end only)
+        "log_every": 10,  # plain progress line every N steps when not on a terminal
+        "threads": 1,  # torch compute threads of the host (CSDs: csd.threads)
+    },
+    "data": {
+        "path": "data/stannis-digits",  # holds public/{train,test} and csd<k>/ (stannis prepare)
+        "public_to_csds": 0.0,  # share of the public train set also stored on (split over) CSDs
+    },
+    "model": {"name": "lenet", "num_classes": 10},
+    "optim": {
+        "name": "sgd",  # sgd | adam
+        "lr": 0.05,  # learning rate at optim.base_batch; scaled linearly with the global batch
+        "base_batch": 64,
+        "warmup_steps": 10,  # linear warm-up to the scaled rate
+        "momentum": 0.9,
+        "weight_decay": 0.0,
+    },
+    "stannis": {
+        "csds": 4,  # N: CSD ranks (the world has 1 + N ranks)
+        "global_batch": 128,  # samples per optimizer step over all ranks
+        "tune": True,  # HyperTune; false = equal batches (Horovod's default)
+        "objective": "throughput",  # throughput | energy | mix
+        "mix_weight": 0.5,  # weight of throughput in the mix objective
+        "benchmark_batches": [8, 32],  # batch sizes timed in the benchmark phase
+        "benchmark_repeats": 3,  # timed steps per batch size (the median counts)
+        "retune_every": 5,  # share step times every N steps
+        "imbalance_threshold": 0.25,  # re-tune when 1 - min/max step time exceeds this
+        "min_gain": 0.1,  # ...and the new batches promise at least this relative gain
+        "bucket_bytes": 4194304,  # gradient bytes per Iallreduce bucket
+        "inject": [],  # fault specs, as with --inject (target ranks: rank=R)
+    },
+    "host": {
+        "max_batch": 1024,  # memory cap of the host's batch
+        "idle_w": 40.0,  # power model (used when RAPL cannot be read)
+        "active_w": 100.0,
+        "energy": "auto",  # auto | rapl | model
+    },
+    "csd": {
+        "dirs": [],  # private data directory per CSD (default: <data.path>/csd<k>)
+        "slowdown": 8.0,  # emulated: compute time x this (1 on real CSDs)
+        "slowdowns": [],  # per-CSD override of slowdown, one per CSD
+        "threads": 1,  # torch threads per CSD rank
+        "max_batch": 256,  # memory cap of one CSD's batch
+        "idle_w": 5.0,
+        "active_w": 10.0,
+        "emulated": True,  # false on real CSDs: no stretching, energy source may be RAPL
+    },
+    "plan": {},  # explicit launch plan: "host" = 0, "csd 1" = 1, ...
+}
+
+STANNIS_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.name": ("lenet", "vgg", "resnet"),
+    "optim.name": ("sgd", "adam"),
+    "stannis.objective": OBJECTIVES,
+    "host.energy": SOURCES,
+}
+
+
+def csd_profile(cfg: Mapping[str, Any], k: int) -> CsdProfile:
+    """The speed and power profile of CSD ``k`` (1-based)."""
+    c = cfg["csd"]
+    slowdown = c["slowdowns"][k - 1] if c["slowdowns"] else c["slowdown"]
+    if not c["emulated"]:
+        slowdown = 1.0
+    return CsdProfile(slowdown=float(slowdown), threads=int(c["threads"]),
+                      idle_w=float(c["idle_w"]), active_w=float(c["active_w"]),
+                      emulated=bool(c["emulated"]))
+
+
+def csd_dir(cfg: Mapping[str, Any], k: int) -> Path:
+    """Where CSD ``k`` keeps its private shards."""
+    dirs = cfg["csd"]["dirs"]
+    return Path(dirs[k - 1]) if dirs else Path(cfg["data"]["path"]) / f"csd{k}"
+
+
+def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
+    """Rank 0 is the host, ranks 1..N are CSDs; checked before any work starts.
+
+    Raises:
+        PlanError: the world size does not match, a role is missing or doubled,
+            a per-CSD list has the wrong length, or a fault spec is bad.
+    """
+    n = cfg["stannis"]["csds"]
+    if n < 0:
+        raise PlanError(f"stannis.csds = {n}: need 0 or more CSDs")
+    if cfg["plan"]:
+        plan = LaunchPlan.from_table(cfg["plan"], world_size)
+    else:
+        if world_size != 1 + n:
+            raise PlanError(
+                f"the launch plan needs {1 + n} ranks (1 host + {n} CSDs) but the MPI world has "
+                f"{world_size}: run mpirun -n {1 + n}, or set stannis.csds={world_size - 1}")
+        plan = LaunchPlan((Role("host"),) + tuple(Role("csd", k) for k in range(1, n + 1)))
+    if plan.role_of(0) != Role("host"):
+        raise PlanError(f"rank 0 is '{plan.role_of(0)}': in a Stannis job rank 0 is the host "
+                        "(it writes the log and reads the public data)")
+    for r, role in enumerate(plan.roles):
+        if role.kind not in ("host", "csd"):
+            raise PlanError(f"rank {r} is '{role}': a Stannis job has only a host and CSDs")
+        if role.kind == "host" and r != 0:
+            raise PlanError(f"rank {r} is a second host; a Stannis job has one host, rank 0")
+    indices = sorted(role.index for role in plan.roles if role.kind == "csd")
+    if indices != list(range(1, n + 1)):
+        raise PlanError(f"the plan's CSDs are {indices}; expected csd 1..{n} once each "
+                        f"(stannis.csds = {n})")
+    for key in ("dirs", "slowdowns"):
+        given = cfg["csd"][key]
+        if given and len(given) != n:
+            raise PlanError(f"csd.{key} lists {len(given)} entries for {n} CSDs; give one per CSD")
+    for k in range(1, n + 1):
+        try:
+            csd_profile(cfg, k)
+        except ValueError as e:
+            raise PlanError(f"csd {k}: {e}") from None
+    s = cfg["stannis"]
+    if s["global_batch"] < 1 + n:
+        raise PlanError(f"stannis.global_batch = {s['global_batch']} leaves some rank without "
+                        f"a sample; need at least {1 + n}")
+    if s["retune_every"] < 1:
+        raise PlanError("stannis.retune_every must be >= 1")
+    if not s["benchmark_batches"] or min(s["benchmark_batches"]) < 1:
+        raise PlanError("stannis.benchmark_batches must list batch sizes >= 1, e.g. [8, 32]")
+    if not 0.0 <= cfg["data"]["public_to_csds"] <= 1.0:
+        raise PlanError("data.public_to_csds must be a share in [0, 1]")
+    try:
+        faults = parse_all(s["inject"])
+    except FaultError as e:
+        raise PlanError(str(e)) from None
+    for f in faults:
+        if f.rank is None:
+            raise PlanError(f"fault {f}: Stannis has no stages; aim it at a rank, e.g. "
+                            f"{f.kind}:rank=2:...")
+        if not 0 <= f.rank < world_size:
+            raise PlanError(f"fault {f}: no rank {f.rank} (ranks 0..{world_size - 1})")
+        if f.kind == "kill" and f.rank == 0:
+            raise PlanError(f"fault {f}: the host cannot be killed and survived; kill a CSD rank")
+    return plan
+
+
+def emulation(cfg: dict, plan: LaunchPlan) -> dict[str, Any]:
+    """What the log's ``emulation`` attribute says: which ranks are emulated CSDs, and how."""
+    out: dict[str, Any] = {}
+    for r, role in enumerate(plan.roles):
+        if role.kind == "csd":
+            out[str(r)] = {"role": str(role), **csd_profile(cfg, role.index).describe()}
+    if not cfg["csd"]["emulated"]:
+        return {}
+    return out

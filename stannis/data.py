@@ -1,0 +1,102 @@
+"""Each rank's own records: the host's public shards, a CSD's private shards.
+
+A rank reads only what lives on its device; the batches it draws never leave
+it (only gradients do). Batch sizes change when HyperTune re-tunes, so the
+stream hands out any number of records from a per-epoch shuffled order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class DataError(ValueError):
+    """A rank's data directory is missing or unreadable; the message names it."""
+
+
+def open_split(directory: str | Path) -> Any:
+    """Open one shard data set (a directory with manifest.json) with the native reader.
+
+    Raises:
+        DataError: the directory does not exist or is not a shard data set.
+    """
+    import native
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise DataError(f"data directory {d} does not exist; make the demo data with "
+                        "`python -m stannis prepare` or point the config at your shards")
+    try:
+        return native.open_dataset(str(d))
+    except (native.ShardError, OSError) as e:
+        raise DataError(f"data directory {d} is not a readable shard data set: {e}") from None
+
+
+def to_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images as float32 (uint8 scaled to [0, 1]) and labels as int64, without extra copies."""
+    image = batch["image"]
+    x = torch.from_numpy(np.ascontiguousarray(image))
+    x = x.float().div_(255.0) if image.dtype == np.uint8 else x.float()
+    y = torch.from_numpy(np.ascontiguousarray(batch["label"])).long()
+    return x, y
+
+
+class BatchStream:
+    """Batches of any size from one or more (reader, record indices) parts, reshuffled per epoch."""
+
+    def __init__(self, parts: Sequence[tuple[Any, np.ndarray]], *, seed: int) -> None:
+        self.parts = [(reader, np.asarray(idx, dtype=np.int64)) for reader, idx in parts
+                      if len(idx)]
+        self.sizes = [len(idx) for _, idx in self.parts]
+        self.total = int(sum(self.sizes))
+        self._starts = np.cumsum([0] + self.sizes)
+        self._rng = np.random.default_rng(seed)
+        self.epoch = 0
+        self._order = self._rng.permutation(self.total) if self.total else np.empty(0, np.int64)
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self.total
+
+    def _take(self, n: int) -> np.ndarray:
+        out = []
+        while n > 0:
+            if self._pos == self.total:
+                self.epoch += 1
+                self._order = self._rng.permutation(self.total)
+                self._pos = 0
+            k = min(n, self.total - self._pos)
+            out.append(self._order[self._pos:self._pos + k])
+            self._pos += k
+            n -= k
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
+    def next(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``n`` records (wrapping into a new epoch when needed)."""
+        if self.total == 0:
+            raise DataError("this rank has no records but was given a non-empty batch")
+        picks = self._take(n)
+        xs, ys = [], []
+        for p, (reader, idx) in enumerate(self.parts):
+            lo, hi = self._starts[p], self._starts[p + 1]
+            mine = picks[(picks >= lo) & (picks < hi)] - lo
+            if len(mine):
+                x, y = to_tensors(reader.read(np.sort(idx[mine])))
+                xs.append(x)
+                ys.append(y)
+        return (xs[0], ys[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(ys))
+
+
+def read_all(reader: Any, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every record of a (small) data set, for evaluation on the host."""
+    xs, ys = [], []
+    for start in range(0, len(reader), chunk):
+        x, y = to_tensors(reader.read(np.arange(start, min(start + chunk, len(reader)))))
+        xs.append(x)
+        ys.append(y)
+    return torch.cat(xs), torch.cat(ys)

@@ -1,0 +1,467 @@
+"""`python -m stannis train`: one host and N CSD ranks, weighted allreduce, HyperTune."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpipipe import ft
+from mpipipe.cli import Run, start_run
+from mpipipe.inject import FaultPlan, parse_all
+from mpipipe.models import build_model
+
+from .allreduce import WeightedAllreduce
+from .audit import AuditedComm
+from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, csd_dir, csd_profile, emulation, stannis_plan
+from .csd import Stretch
+from .data import BatchStream, DataError, open_split, to_tensors
+from .energy import EnergyError, PowerModel, make_meter
+from .hypertune import (
+    Plan,
+    RankProfile,
+    TuneError,
+    evaluate,
+    fit_step_model,
+    gain,
+    imbalance,
+    refit,
+    scaled_lr,
+    tune,
+)
+
+PROG = "stannis train"
+
+# One row of per-step figures every rank sends to the host (float64, buffer API).
+FIGURES = ("compute_s", "wait_s", "batch_size", "joules", "loss_sum", "bytes_sent", "bytes_recv",
+           "step")
+FIG_BYTES = 8 * len(FIGURES)
+
+
+class HostLost(RuntimeError):
+    """The host rank died: there is no one left to hold the public data and the log."""
+
+
+def equal_split(global_batch: int, n: int) -> list[int]:
+    """Horovod's default: the same batch on every rank (the remainder to the first ranks)."""
+    return [global_batch // n + (1 if i < global_batch % n else 0) for i in range(n)]
+
+
+class Trainer:
+    """One rank of a Stannis job: the host (rank 0) or a CSD."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.cfg = cfg = run.cfg
+        self.world_rank = run.rank
+        self.role = run.plan.role_of(run.rank)
+        self.is_host = self.role.kind == "host"
+        self.comm = AuditedComm(run.comm)
+        self.members = list(range(run.size))  # world ranks of the current communicator
+        self.world_group = run.comm.Get_group()
+        seed = cfg["run"]["seed"]
+        torch.manual_seed(seed)
+
+        if self.is_host:
+            self.profile = None
+            threads = cfg["run"]["threads"]
+            power = PowerModel(cfg["host"]["idle_w"], cfg["host"]["active_w"])
+            self.stretch = Stretch(1.0)
+            self.max_batch = cfg["host"]["max_batch"]
+            energy_source, emulated = cfg["host"]["energy"], False
+        else:
+            self.profile = csd_profile(cfg, self.role.index)
+            threads = self.profile.threads
+            power = self.profile.power
+            self.stretch = Stretch(self.profile.slowdown)
+            self.max_batch = cfg["csd"]["max_batch"]
+            energy_source, emulated = "auto", self.profile.emulated
+        torch.set_num_threads(threads)
+
+        # Each rank opens only its own data; the verdicts are shared so that every
+        # rank stops together on any rank's error.
+        error = None
+        try:
+            self.meter = make_meter(power, energy_source, emulated=emulated)
+            self.stream, self.test = self._open_data(seed)
+        except (DataError, EnergyError) as e:
+            error = f"rank {self.world_rank} ({self.role}): {e}"
+        verdicts = self.comm.allgather((error, len(self.stream) if error is None else 0,
+                                        self.meter.source if error is None else ""))
+        errors = [v[0] for v in verdicts if v[0]]
+        if errors:
+            run.fail(errors[0])
+        self.records = {r: v[1] for r, v in enumerate(verdicts)}
+        self.sources = {r: v[2] for r, v in enumerate(verdicts)}
+        self.comm.take()  # start-up traffic is not a training step's
+
+        in_shape = self._in_shape()
+        self.model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], in_shape)
+        self.model.float()
+        o = cfg["optim"]
+        if o["name"] == "sgd":
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=o["lr"],
+                                             momentum=o["momentum"],
+                                             weight_decay=o["weight_decay"])
+        else:
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=o["lr"],
+                                              weight_decay=o["weight_decay"])
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.reducer = WeightedAllreduce(self.comm, self.model.parameters(),
+                                         cfg["stannis"]["bucket_bytes"])
+        self._sync_from_host()
+        self.comm.take()
+
+        self.faults = FaultPlan(parse_all(cfg["stannis"]["inject"]), seed=seed, stage=None,
+                                rank=self.world_rank)
+        # The host logs every rank's faults from the same plans, run dry.
+        self.fault_shadows = {}
+        if self.is_host:
+            for r in range(run.size):
+                self.fault_shadows[r] = FaultPlan(
+                    self.faults.all, seed=seed, stage=None, rank=r, sleep=lambda s: None,
+                    kill=lambda: None, on_fire=self._fault_logger(r))
+        self.batches: list[int] = []
+        self.profiles: dict[int, RankProfile] = {}
+        self.window: dict[int, deque[float]] = {}
+        self.totals = {r: {"samples": 0, "joules": 0.0, "busy_s": 0.0} for r in self.members}
+        self.step = 0
+
+    # -- set-up -------------------------------------------------------------------------
+    def _open_data(self, seed: int) -> tuple[BatchStream, Any]:
+        cfg = self.cfg
+        root = cfg["data"]["path"]
+        share = cfg["data"]["public_to_csds"]
+        n = cfg["stannis"]["csds"]
+        public = None
+        if self.is_host or share > 0:
+            public = open_split(f"{root}/public/train")
+        parts = []
+        test = None
+        if self.is_host:
+            test = open_split(f"{root}/public/test")
+            keep = len(public) - int(round(share * len(public))) if n else len(public)
+            parts.append((public, np.arange(keep)))
+        else:
+            private = open_split(csd_dir(cfg, self.role.index))
+            parts.append((private, np.arange(len(private))))
+            if share > 0:
+                given = np.arange(len(public) - int(round(share * len(public))), len(public))
+                parts.append((public, np.array_split(given, n)[self.role.index - 1]))
+        return BatchStream(parts, seed=seed * 1000 + self.world_rank), test
+
+    def _in_shape(self) -> tuple[int, ...]:
+        reader = self.stream.parts[0][0]
+        fields = {f.name: f for f in reader.schema}
+        if "image" not in fields or "label" not in fields:
+            self.run.fail(f"{reader}: records need fields 'image' and 'label'")
+        return tuple(fields["image"].shape)
+
+    def _state_vector(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+
+    def _sync_from_host(self) -> None:
+        """Every rank starts (and restarts after a failure) from the host's parameters."""
+        flat = self._state_vector().contiguous()
+        self.comm.Bcast([flat.numpy(), MPI.FLOAT], root=0)
+        off = 0
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+
+    def _fault_logger(self, rank: int):
+        def log(fault: Any, step: int, detail: dict) -> None:
+            self.run.log.event("fault_injected", step=step + 1, rank=rank, spec=str(fault),
+                               **detail)
+        return log
+
+    # -- one step's pieces --------------------------------------------------------------
+    def _compute(self, b: int) -> tuple[float, float]:
+        """Forward and backward on ``b`` local samples; returns (device seconds, loss sum).
+
+        Device seconds are CPU seconds times the emulated slow-down (see csd.py).
+        """
+        t0 = time.perf_counter()
+        c0 = time.thread_time()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        if b > 0:
+            x, y = self.stream.next(b)
+            loss = self.loss_fn(self.model(x), y)
+            loss.backward()
+            loss_sum = float(loss.item()) * b
+        return self.stretch.apply(time.thread_time() - c0, time.perf_counter() - t0), loss_sum
+
+    def benchmark(self) -> None:
+        """Time a few batch sizes on every rank; the host fits step models and tunes."""
+        s = self.cfg["stannis"]
+        sizes = [min(b, self.max_batch) for b in s["benchmark_batches"]]
+        self._compute(max(sizes))  # warm-up: first calls allocate and are not typical
+        row = np.zeros(len(sizes) * 2)
+        for i, b in enumerate(sizes):
+            times = [self._compute(b)[0] for _ in range(s["benchmark_repeats"])]
+            row[2 * i], row[2 * i + 1] = b, float(np.median(times))
+        self.optimizer.zero_grad(set_to_none=True)
+        table = np.zeros((self.comm.Get_size(), len(row))) if self.is_host else None
+        self.comm.Gather(row, table, root=0)
+        if self.is_host:
+            for pos, r in enumerate(self.members):
+                bs, ts = table[pos, 0::2], table[pos, 1::2]
+                self.profiles[r] = self._rank_profile(r, fit_step_model(list(bs), list(ts)))
+            self.run.log.event("benchmark", step=0, models={
+                r: {"overhead_s": p.model.overhead_s, "per_sample_s": p.model.per_sample_s}
+                for r, p in self.profiles.items()})
+
+    def _rank_profile(self, r: int, model: Any) -> RankProfile:
+        cfg = self.cfg
+        if r == 0:
+            return RankProfile(model, cfg["host"]["max_batch"], 1, cfg["host"]["idle_w"],
+                               cfg["host"]["active_w"])
+        p = csd_profile(cfg, self.run.plan.role_of(r).index)
+        return RankProfile(model, cfg["csd"]["max_batch"], 1, p.idle_w, p.active_w)
+
+    def _plan_batches(self, reason: str, plan: Plan | None = None) -> None:
+        """Host: choose batches for the current members (HyperTune or equal split)."""
+        s = self.cfg["stannis"]
+        old = list(self.batches)
+        if s["tune"]:
+            profiles = [self.profiles[r] for r in self.members]
+            plan = plan or tune(profiles, s["global_batch"], s["objective"], s["mix_weight"])
+            new = list(plan.batches)
+            predicted = plan.samples_per_s
+        else:
+            new = equal_split(s["global_batch"], len(self.members))
+            predicted = math.nan
+        self.batches = new
+        self.window = {r: deque(maxlen=s["retune_every"]) for r in self.members}
+        if old != new:
+            self.run.log.event("retune", step=self.step, reason=reason, ranks=self.members,
+                               old=old, new=new, predicted_sps=predicted)
+            self.run.progress.message(f"step {self.step}: batches {old} -> {new} ({reason})")
+
+    def _share_plan(self) -> None:
+        """Host decides, everyone applies at the same step boundary."""
+        buf = np.array(self.batches if self.is_host else [0] * self.comm.Get_size(),
+                       dtype=np.int64)
+        self.comm.Bcast(buf, root=0)
+        self.batches = [int(b) for b in buf]
+
+    def _maybe_retune(self) -> None:
+        s = self.cfg["stannis"]
+        if not s["tune"] or self.step % s["retune_every"]:
+            return
+        if any(len(self.window[r]) < s["retune_every"] for r in self.members):
+            return
+        observed = [float(np.median(self.window[r])) for r in self.members]
+        level = imbalance([t if b > 0 else 0.0 for t, b in zip(observed, self.batches,
+                                                                   strict=True)])
+        if level <= s["imbalance_threshold"]:
+            return
+        fitted = refit([self.profiles[r] for r in self.members], self.batches, observed)
+        for r, p in zip(self.members, fitted, strict=True):
+            self.profiles[r] = p
+        current = evaluate(fitted, self.batches)
+        candidate = tune(fitted, s["global_batch"], s["objective"], s["mix_weight"])
+        better = gain(current, candidate, s["objective"], s["mix_weight"])
+        for r in self.members:
+            self.window[r].clear()  # judge the next decision on fresh steps only
+        if better > s["min_gain"]:
+            self._plan_batches(f"imbalance {level:.2f} > {s['imbalance_threshold']}, "
+                               f"predicted gain {better:.0%}", candidate)
+
+    # -- failures -----------------------------------------------------------------------
+    def _recover(self, error: BaseException) -> None:
+        """Drop the dead CSDs (ULFM shrink), resync from the host and re-balance."""
+        t0 = time.perf_counter()
+        ft.revoke(self.comm.comm)
+        new = ft.shrink(self.comm.comm)
+        survivors = list(new.Get_group().Translate_ranks(list(range(new.Get_size())),
+                                                         self.world_group))
+        dead = [r for r in self.members if r not in survivors]
+        if 0 in dead:
+            raise HostLost("the host (rank 0) died; a Stannis job cannot continue without it")
+        old_comm = self.comm
+        self.comm = AuditedComm(new)
+        self.comm.sent, self.comm.recv = old_comm.sent, old_comm.recv
+        self.members = survivors
+        self.reducer.comm = self.comm
+        # The host's state wins: a survivor that already applied this step and one
+        # that had not end up identical; momentum restarts everywhere.
+        step = np.array([self.step], dtype=np.int64)
+        self.comm.Bcast(step, root=0)
+        self.step = int(step[0])
+        self._sync_from_host()
+        self.optimizer.state.clear()
+        if self.is_host:
+            for r in dead:
+                self.run.log.event("csd_dropped", step=self.step, rank=r, error=str(error),
+                                   samples_lost=self.records.get(r, 0),
+                                   recovery_s=time.perf_counter() - t0)
+                self.run.progress.message(
+                    f"step {self.step}: rank {r} died; dropped, its {self.records.get(r, 0)} "
+                    "private samples are no longer trained on")
+                self.profiles.pop(r, None)
+            self._plan_batches(f"ranks {dead} dropped")
+        self._share_plan()
+
+    # -- the loop -----------------------------------------------------------------------
+    def train(self) -> None:
+        cfg = self.cfg
+        s, o = cfg["stannis"], cfg["optim"]
+        steps = cfg["run"]["steps"]
+        if s["tune"]:
+            self.benchmark()
+        if self.is_host:
+            self._plan_batches("start" if s["tune"] else "equal batches")
+            for r in self.members:
+                self.run.log.event("energy_source", step=0, rank=r, source=self.sources[r])
+        self._share_plan()
+        self.comm.take()
+        eval_every = cfg["run"]["eval_every"]
+        while self.step < steps:
+            try:
+                self._one_step(steps, s, o)
+            except MPI.Exception as e:
+                if not (ft.is_proc_failed(e) or ft.is_revoked(e)):
+                    raise
+                self._recover(e)
+                continue
+            if self.is_host and eval_every and self.step % eval_every == 0 and \
+                    self.step < steps:
+                self.evaluate()
+        if self.is_host:
+            accuracy = self.evaluate()
+            self._summary(accuracy)
+
+    def _one_step(self, steps: int, s: dict, o: dict) -> None:
+        index = self.step  # 0-based, as fault specs count
+        pos = self.members.index(self.world_rank)
+        if self.is_host:
+            for shadow in self.fault_shadows.values():
+                if shadow.rank in self.members:
+                    shadow.at_step(index)
+            for f in self.faults.all:
+                if f.kind == "slow" and f.step == index and f.rank in self.members:
+                    self.run.log.event("fault_injected", step=index + 1, rank=f.rank,
+                                       spec=str(f), factor=f.factor)
+        t_start = time.perf_counter()
+        self.meter.start()
+        self.faults.at_step(index)
+        self.stretch.extra = self.faults.slowdown(index)
+        b = self.batches[pos]
+        compute_s, loss_sum = self._compute(b)
+        self.reducer.reset_counters()
+        total = self.reducer.reduce(b)
+        for group in self.optimizer.param_groups:
+            group["lr"] = scaled_lr(o["lr"], o["base_batch"], int(total), index,
+                                    o["warmup_steps"])
+        self.optimizer.step()
+        joules = self.meter.stop(compute_s)
+        sent, recv = self.comm.take()
+        if self.is_host:
+            recv += (self.comm.Get_size() - 1) * FIG_BYTES
+        row = np.array([compute_s, self.reducer.wait_s, b, joules, loss_sum,
+                        sent + FIG_BYTES, recv, index + 1], dtype=np.float64)
+        table = np.zeros((self.comm.Get_size(), len(FIGURES))) if self.is_host else None
+        self.comm.Gather(row, table, root=0)
+        self.comm.take()  # the gather is already in the row; a plan broadcast counts next step
+        self.step = index + 1
+        if self.is_host:
+            wall = time.perf_counter() - t_start
+            self._record(table, wall)
+            self._maybe_retune()
+        if s["tune"] and self.step % s["retune_every"] == 0:
+            self._share_plan()
+
+    def _record(self, table: np.ndarray, wall: float) -> None:
+        ranks = {}
+        total_b = 0
+        loss_sum = 0.0
+        for pos, r in enumerate(self.members):
+            fig = dict(zip(FIGURES, table[pos], strict=True))
+            b = int(fig["batch_size"])
+            total_b += b
+            loss_sum += fig["loss_sum"]
+            ranks[r] = {"compute_s": fig["compute_s"], "wait_s": fig["wait_s"],
+                        "bytes_sent": int(fig["bytes_sent"]), "bytes_recv": int(fig["bytes_recv"]),
+                        "batch_size": b, "joules": fig["joules"]}
+            if b > 0:
+                self.window[r].append(fig["compute_s"])
+            t = self.totals.setdefault(r, {"samples": 0, "joules": 0.0, "busy_s": 0.0})
+            t["samples"] += b
+            t["joules"] += fig["joules"]
+            t["busy_s"] += fig["compute_s"]
+        loss = loss_sum / total_b if total_b else math.nan
+        sps = total_b / wall if wall > 0 else math.nan
+        self.run.log.step(self.step, loss=loss, samples=total_b, samples_per_s=sps, ranks=ranks)
+        self.run.progress.update(self.step, loss=loss, samples_per_s=sps)
+        self.last_loss = loss
+
+    def evaluate(self) -> float:
+        """Host: accuracy on the public test split."""
+        from native.reader import read_all
+
+        self.model.eval()
+        x, y = to_tensors(read_all(self.test))
+        correct = 0
+        loss = 0.0
+        with torch.no_grad():
+            for i in range(0, len(y), 1024):
+                out = self.model(x[i:i + 1024])
+                loss += float(self.loss_fn(out, y[i:i + 1024]).item()) * len(out)
+                correct += int((out.argmax(1) == y[i:i + 1024]).sum())
+        self.model.train()
+        accuracy = correct / max(len(y), 1)
+        self.run.log.eval(self.step, accuracy=accuracy, loss=loss / max(len(y), 1))
+        self.run.progress.message(f"step {self.step}: test accuracy {accuracy:.4f}")
+        return accuracy
+
+    def _summary(self, accuracy: float) -> None:
+        elapsed = self.run.log.elapsed()
+        per_rank = {}
+        for r, t in self.totals.items():
+            per_rank[r] = {
+                "samples": t["samples"], "joules": t["joules"],
+                "samples_per_joule": t["samples"] / t["joules"] if t["joules"] else 0.0,
+                "energy_source": self.sources.get(r, "?"),
+            }
+        samples = sum(t["samples"] for t in self.totals.values())
+        joules = sum(t["joules"] for t in self.totals.values())
+        summary = {
+            "steps": self.step, "samples": samples, "seconds": elapsed,
+            "samples_per_s": samples / elapsed if elapsed else 0.0,
+            "joules": joules, "samples_per_joule": samples / joules if joules else 0.0,
+            "accuracy": accuracy, "loss": getattr(self, "last_loss", math.nan),
+            "final_batches": dict(zip(self.members, self.batches, strict=True)),
+            "ranks": per_rank, "grad_bytes": self.reducer.payload_bytes,
+            "control_bytes": FIG_BYTES,
+        }
+        self.run.log.set_attr("summary", summary)
+        self.run.progress.summary(steps=self.step, samples_per_s=summary["samples_per_s"],
+                                  samples_per_joule=summary["samples_per_joule"],
+                                  accuracy=accuracy, log=str(self.run.log.path))
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``stannis train`` on this rank; returns the exit status."""
+    run = start_run(args, prog=PROG, system="stannis", defaults=STANNIS_DEFAULTS,
+                    choices=STANNIS_CHOICES, build_plan=stannis_plan,
+                    inject_key=("stannis", "inject"), emulation=emulation)
+    run.comm.Set_errhandler(MPI.ERRORS_RETURN)
+    try:
+        trainer = Trainer(run)
+        trainer.train()
+    except (TuneError, DataError) as e:
+        run.fail(e)
+    except HostLost as e:
+        print(f"{PROG}: error: {e}", flush=True)
+        return 1
+    run.log.close()
+    return 0
