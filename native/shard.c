@@ -143,6 +143,11 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uns
 }
 #endif
 
+uint32_t shard_crc32c_portable(uint32_t crc, const void *data, size_t len)
+{
+    return ~crc_soft(~crc, (const unsigned char *)data, len);
+}
+
 int shard_crc32c_hardware(void)
 {
 #ifdef SHARD_X86

@@ -78,6 +78,8 @@ typedef struct shard_writer shard_writer_t;
 /* ---- checksums ---------------------------------------------------------- */
 uint32_t shard_crc32c(uint32_t crc, const void *data, size_t len);
 int shard_crc32c_hardware(void);
+/* The table-driven CRC32C, whatever the CPU (to test the hardware path against). */
+uint32_t shard_crc32c_portable(uint32_t crc, const void *data, size_t len);
 
 /* ---- dtypes and schema -------------------------------------------------- */
 size_t shard_dtype_size(int dtype);
