@@ -1,7 +1,18 @@
 """mpipipe: resilient pipeline-parallel (ResPipe) CNN training on MPI, and the core both systems share."""
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
-
-from .pipeline import Pipeline, Route  # noqa: E402
-
 __all__ = ["Pipeline", "Route", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import mpipipe` (e.g. for `python -m mpipipe report`) must not start MPI or
+    # import torch; `mpipipe.Pipeline` does both on first use.
+    if name in ("Pipeline", "Route"):
+        from . import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'mpipipe' has no attribute {name!r}")

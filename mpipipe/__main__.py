@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import report
+from . import report, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resilient pipeline-parallel CNN training on MPI (ResPipe), and its tools.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    # ---- train: the pipeline engine registers here, e.g. `train.add_parser(sub)` ----
+    train.add_parser(sub)
     # ---- cost: the communication-cost model registers here, e.g. `costmodel.add_parser(sub)` ----
     report.add_parser(sub)
     return parser

@@ -18,14 +18,16 @@ def _flat_features(layers: nn.Sequential, in_shape: Sequence[int]) -> int:
 def lenet(num_classes: int, in_shape: Sequence[int]) -> nn.Sequential:
     """LeNet-5 style: two conv/pool blocks and three fully connected layers.
 
-    Images smaller than 16 pixels (the 8x8 digits) get 3x3 convolutions with padding, so
-    that the two poolings still leave a 2x2 map; MNIST-sized images get 5x5 as in LeNet-5.
+    MNIST-sized images get LeNet-5's 5x5 convolutions with 6 and 16 channels. Images
+    smaller than 16 pixels (the 8x8 digits) get 3x3 convolutions with padding, so that the
+    two poolings still leave a 2x2 map, and 16 and 32 channels: with 6 and 16 the net
+    plateaus near 95% on digits, with 16 and 32 it reaches about 97% in 600 steps.
     """
     c, h, w = in_shape
-    k, pad = (5, 2) if min(h, w) >= 16 else (3, 1)
+    k, pad, c1, c2 = (5, 2, 6, 16) if min(h, w) >= 16 else (3, 1, 16, 32)
     features = nn.Sequential(
-        nn.Conv2d(c, 6, k, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, k, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c, c1, k, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c1, c2, k, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(),
     )
     n = _flat_features(features, in_shape)

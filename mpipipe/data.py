@@ -1,0 +1,118 @@
+"""Mini-batches for the pipeline's first stage, read from the native shard store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import native
+
+__all__ = ["DataError", "image_shape", "TrainBatches", "test_batches", "count_test_batches"]
+
+
+class DataError(ValueError):
+    """The data directory is missing or does not hold an image data set."""
+
+
+def _open(path: str | Path, split: str) -> native.Dataset:
+    directory = Path(path) / split
+    if not directory.is_dir():
+        raise DataError(f"data set {Path(path)} has no {split}/ directory; make one with "
+                        f"`python -m native.convert digits {path}`")
+    try:
+        dataset = native.open_dataset(directory)
+    except native.ShardError as e:
+        raise DataError(f"cannot read {directory}: {e}") from None
+    names = {f.name: f for f in dataset.schema}
+    if "image" not in names or "label" not in names or len(names["image"].shape) != 3:
+        raise DataError(f"{directory} must have fields image (C,H,W) and label; it has "
+                        f"{', '.join(f'{f.name} {f.shape}' for f in dataset.schema)}")
+    return dataset
+
+
+def image_shape(path: str | Path) -> tuple[int, int, int]:
+    """(C, H, W) of the training images: every rank reads it to build the same model."""
+    dataset = _open(path, "train")
+    shape = next(f.shape for f in dataset.schema if f.name == "image")
+    dataset.close()
+    return tuple(int(s) for s in shape)  # type: ignore[return-value]
+
+
+def _to_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    image, label = batch["image"], batch["label"]
+    x = torch.from_numpy(image)
+    if image.dtype == np.uint8:  # stored as bytes: scale to [0, 1] as converters do for floats
+        x = x.float().div_(255.0)
+    return x, torch.from_numpy(label).long()
+
+
+class TrainBatches:
+    """Endless shuffled mini-batches of the train split, epoch after epoch, resumable.
+
+    Only the pipeline's first stage reads (rank 0 of world 1 of the sampler): the
+    labels travel to the last stage inside the pipeline. Output buffers are reused from
+    batch to batch; that is safe because a pipeline step completes all its sends
+    (including the labels) before it returns.
+    """
+
+    def __init__(self, path: str | Path, batch_size: int, *, seed: int, shuffle: bool = True,
+                 drop_last: bool = True) -> None:
+        self.dataset = _open(path, "train")
+        if len(self.dataset) < batch_size:
+            raise DataError(f"{path}/train has {len(self.dataset)} records, fewer than one "
+                            f"batch of {batch_size}")
+        self.batch_size = batch_size
+        self.sampler = native.Sampler(len(self.dataset), seed=seed, shuffle=shuffle,
+                                      drop_last=drop_last)
+        self._out = self.dataset.empty(batch_size)
+        self._it: Iterator[np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return self.sampler.num_batches(self.batch_size)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next mini-batch (x float32 N,C,H,W; y int64 N)."""
+        while True:
+            if self._it is None:
+                self._it = self.sampler.batches(self.batch_size)
+            try:
+                indices = next(self._it)
+                return _to_tensors(self.dataset.read(indices, self._out))
+            except StopIteration:
+                self._it = None
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, offset) after the last batch handed out: saved in checkpoints."""
+        return self.sampler.position
+
+    def seek(self, epoch: int, offset: int) -> None:
+        self.sampler.seek(epoch, offset)
+        self._it = None
+
+
+def count_test_batches(path: str | Path, batch_size: int) -> int:
+    """Batches in one pass over the test split (the last one may be short)."""
+    dataset = _open(path, "test")
+    n = len(dataset)
+    dataset.close()
+    return -(-n // batch_size)
+
+
+def test_batches(path: str | Path, batch_size: int
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Every test record once, in order, in batches of `batch_size` (last one short)."""
+    dataset = _open(path, "test")
+    try:
+        for lo in range(0, len(dataset), batch_size):
+            indices = np.arange(lo, min(lo + batch_size, len(dataset)), dtype=np.int64)
+            yield _to_tensors(dataset.read(indices))
+    finally:
+        dataset.close()
+
+
+test_batches.__test__ = False  # type: ignore[attr-defined]  # not a pytest test

@@ -1,0 +1,356 @@
+"""`python -m mpipipe train`: the pipeline training loop, its evaluation, log and checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import checkpoint, data
+from .cli import Run, add_train_arguments, gather_figures, start_run
+from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
+from .models import build_model
+from .partition import balance_by_params, balance_by_time, check_balance
+from .pipeline import Pipeline, Route
+from .roles import pipeline_plan
+from .transport import Late, PeerFailed
+
+__all__ = ["add_parser", "main", "Setup", "setup", "make_optimizer", "train_step",
+           "evaluate", "save_checkpoint", "train"]
+
+PROG = "mpipipe train"
+
+EPILOG = """\
+configuration sections (see docs/configuration.md and jobs/configs/):
+  [run]       seed, steps (or epochs), eval_every, log_every, checkpoint_every, checkpoint_dir
+  [data]      path (a directory with train/ and test/ made by python -m native.convert),
+              batch_size
+  [model]     name (lenet | vgg | resnet), num_classes
+  [optim]     name (sgd | adam), lr, momentum, weight_decay
+  [pipeline]  stages (K, one rank each), balance (layers per stage, [] = automatic),
+              balance_by (time | params), chunks (micro-batches), schedule (gpipe | 1f1b)
+  [plan]      explicit launch plan, e.g. "stage 0" = 0
+  [resilience] backups, deadline_s, ... (ResPipe; see docs/respipe.md)
+
+example:
+  mpirun -n 3 python -m mpipipe train --config jobs/configs/pipeline-digits.toml \\
+      --set pipeline.chunks=8 --log runs/digits.h5
+"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `train` subcommand on the `python -m mpipipe` dispatcher."""
+    parser = subparsers.add_parser(
+        "train", help="train a CNN cut into pipeline stages (one MPI rank per stage)",
+        description="Train a CNN cut into K pipeline stages, one MPI rank per stage, with "
+                    "micro-batch pipelining (GPipe or 1F1B). Launch with mpirun -n K.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(parser, system="mpipipe")
+    parser.set_defaults(func=main)
+    return parser
+
+
+@dataclass
+class Setup:
+    """Everything built once before the first step, on every rank."""
+
+    run: Run
+    model: nn.Sequential
+    pipe: Pipeline
+    optimizer: torch.optim.Optimizer | None
+    loss_fn: nn.Module
+    in_shape: tuple[int, int, int]
+    total_steps: int
+    start_step: int = 0
+    train_data: data.TrainBatches | None = None
+    eval_batches: int = 0
+    checkpoint_dir: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_optimizer(cfg: dict, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """This stage's optimizer, or None for a stage without parameters (only ReLU, pooling)."""
+    if not params:
+        return None
+    o = cfg["optim"]
+    if o["name"] == "adam":
+        return torch.optim.Adam(params, lr=o["lr"], weight_decay=o["weight_decay"])
+    return torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"],
+                           weight_decay=o["weight_decay"])
+
+
+def _agree(run: Run, error: str | None) -> None:
+    """Every rank learns the first error any rank hit, and all stop together."""
+    errors = run.comm.allgather(error)
+    first = next((e for e in errors if e), None)
+    if first:
+        run.fail(first)
+
+
+def _static_checks(cfg: dict) -> str | None:
+    """Checks every rank reaches the same verdict on without talking to the others."""
+    p, d = cfg["pipeline"], cfg["data"]
+    if p["chunks"] < 1:
+        return f"pipeline.chunks = {p['chunks']}: need at least one micro-batch"
+    if d["batch_size"] < p["chunks"]:
+        return (f"data.batch_size = {d['batch_size']} is smaller than pipeline.chunks = "
+                f"{p['chunks']}: every micro-batch needs at least one sample")
+    if cfg["run"]["steps"] < 1 and cfg["run"]["epochs"] < 1:
+        return "set run.steps or run.epochs to a positive number"
+    return None
+
+
+def setup(run: Run) -> Setup:
+    """Build model, partition, pipeline, optimizer and data on every rank.
+
+    Every configuration error stops all ranks with one line: checks that need no
+    message are made on every rank, the others are agreed with one allgather.
+    """
+    cfg, comm = run.cfg, run.comm
+    error = _static_checks(cfg)
+    if error:
+        run.fail(error)
+    path = cfg["data"]["path"]
+    try:
+        in_shape = data.image_shape(path)
+        per_epoch = len(data.TrainBatches(path, cfg["data"]["batch_size"], seed=0))
+        eval_batches = data.count_test_batches(path, cfg["data"]["batch_size"])
+    except data.DataError as e:
+        run.fail(e)
+    k, m = cfg["pipeline"]["stages"], cfg["pipeline"]["chunks"]
+    total = cfg["run"]["steps"] or cfg["run"]["epochs"] * per_epoch
+    run.progress.total = max(total, 1)
+
+    torch.manual_seed(cfg["run"]["seed"])
+    try:
+        model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], in_shape)
+    except ValueError as e:
+        run.fail(e)
+    route = Route.from_plan(run.plan, k)
+    my_stage = route.stage_of(run.rank)
+
+    # resume: each stage reads its own file; the balance comes from the checkpoint
+    state = None
+    error = None
+    if run.args.resume and my_stage is not None:
+        try:
+            state = checkpoint.load_stage(run.args.resume, my_stage)
+        except checkpoint.CheckpointError as e:
+            error = str(e)
+    _agree(run, error)
+    if run.args.resume:
+        seen = comm.allgather(None if state is None else (state.step, tuple(state.balance)))
+        seen = {s for s in seen if s is not None}
+        if len(seen) != 1:
+            run.fail(f"the checkpoints in {run.args.resume} disagree on step or balance: "
+                     f"{sorted(seen)}; they are not from one run")
+
+    balance = list(cfg["pipeline"]["balance"])
+    if state is not None or run.args.resume:
+        saved = comm.bcast(list(state.balance) if state is not None else None, root=route.ranks[0])
+        if balance and balance != saved:
+            run.fail(f"pipeline.balance = {balance} differs from the checkpoint's {saved}")
+        balance = saved
+    elif not balance:
+        if k > len(model):
+            run.fail(f"pipeline.stages = {k} but model {cfg['model']['name']} has only "
+                     f"{len(model)} layers")
+        if cfg["pipeline"]["balance_by"] == "params":
+            balance = balance_by_params(model, k)
+        else:
+            # timings differ from rank to rank: one rank measures, all use its answer
+            if run.rank == 0:
+                gen = torch.Generator().manual_seed(0)
+                sample = torch.randn(cfg["data"]["batch_size"] // m, *in_shape, generator=gen)
+                balance = balance_by_time(model, sample, k)
+            balance = comm.bcast(balance, root=0)
+    try:
+        balance = check_balance(model, balance)
+        if len(balance) != k:
+            raise ValueError(f"pipeline.balance = {balance} has {len(balance)} entries for "
+                             f"pipeline.stages = {k}")
+    except ValueError as e:
+        run.fail(f"{e}")
+
+    pipe = Pipeline(model, balance, m, cfg["pipeline"]["schedule"], comm, route,
+                    in_shape=in_shape, deadline=cfg["resilience"]["deadline_s"] or None)
+    optimizer = make_optimizer(cfg, list(pipe.parameters()))
+    setup_ = Setup(run, model, pipe, optimizer, nn.CrossEntropyLoss(), in_shape, total,
+                   eval_batches=eval_batches)
+    if pipe.first:
+        setup_.train_data = data.TrainBatches(path, cfg["data"]["batch_size"],
+                                              seed=cfg["run"]["seed"],
+                                              shuffle=cfg["data"]["shuffle"],
+                                              drop_last=cfg["data"]["drop_last"])
+    if state is not None:
+        assert pipe.stage_module is not None
+        pipe.stage_module.load_state_dict(state.params)
+        if optimizer is not None and state.optimizer:
+            optimizer.load_state_dict(state.optimizer)
+        if setup_.train_data is not None:
+            setup_.train_data.seek(*state.sampler)
+        pipe.eval_count = state.eval_count
+    if run.args.resume:
+        setup_.start_step = comm.bcast(state.step if state is not None else None,
+                                       root=route.ranks[0])
+        pipe.step_count = setup_.start_step
+        run.log.event("resume", step=setup_.start_step, directory=str(run.args.resume))
+
+    ckpt = cfg["run"]["checkpoint_dir"]
+    if not ckpt and cfg["run"]["checkpoint_every"] > 0:
+        log_path = run.log.path if run.rank == 0 else None
+        log_path = comm.bcast(str(log_path) if log_path else None, root=0)
+        ckpt = str(Path(log_path).with_suffix("")) + "-ckpt" if log_path else "checkpoints"
+    setup_.checkpoint_dir = Path(ckpt) if ckpt else None
+    run.log.set_attr("balance", balance)
+    return setup_
+
+
+def train_step(s: Setup, step: int) -> dict[str, float]:
+    """One optimizer step on this rank; returns its figures for the run log."""
+    pipe = s.pipe
+    x = y = None
+    if s.train_data is not None:
+        x, y = s.train_data.next()
+    pipe.transport.reset_counters()
+    loss = pipe.step(x, y, s.loss_fn, step=step)
+    t0 = time.perf_counter()
+    if s.optimizer is not None:
+        s.optimizer.step()
+    opt_s = time.perf_counter() - t0
+    figures = {
+        "compute_s": pipe.last_compute_s + opt_s,
+        "wait_s": pipe.last_wait_s,
+        "bytes_sent": pipe.transport.total_sent,
+        "bytes_recv": pipe.transport.total_recv,
+    }
+    if loss is not None:
+        figures["loss"] = loss
+    return figures
+
+
+def evaluate(s: Setup) -> float:
+    """Accuracy on the whole test split, known on every rank (allreduced)."""
+    pipe, path, bs = s.pipe, s.run.cfg["data"]["path"], s.run.cfg["data"]["batch_size"]
+    correct = count = 0
+    if pipe.first:
+        batches = data.test_batches(path, bs)
+        for x, y in batches:
+            result = pipe.evaluate(x, y)
+            if result is not None:
+                correct, count = correct + result[0], count + result[1]
+    elif pipe.stage is not None:
+        for _ in range(s.eval_batches):
+            result = pipe.evaluate(None, None)
+            if result is not None:
+                correct, count = correct + result[0], count + result[1]
+    correct, count = s.run.comm.allreduce(correct), s.run.comm.allreduce(count)
+    return correct / count if count else math.nan
+
+
+def save_checkpoint(s: Setup, step: int) -> None:
+    """Every stage writes its own file; rank 0 logs one event."""
+    pipe = s.pipe
+    if s.checkpoint_dir is None or pipe.stage_module is None:
+        s.run.comm.Barrier()
+        return
+    position = s.train_data.position if s.train_data is not None else (-1, -1)
+    checkpoint.save_stage(s.checkpoint_dir, step=step, stage=pipe.stage, balance=pipe.balance,
+                          module=pipe.stage_module, optimizer=s.optimizer, sampler=position,
+                          eval_count=pipe.eval_count)
+    s.run.comm.Barrier()  # the checkpoint exists only once every stage has written
+    s.run.log.event("checkpoint", step=step, directory=str(s.checkpoint_dir))
+
+
+def _abort(s: Setup, step: int, error: Exception) -> None:
+    """Without resilience a late or dead stage ends the job: say why, then stop every rank."""
+    run = s.run
+    where = f"stage {s.pipe.stage} (rank {run.rank})"
+    print(f"{run.prog}: error: {where} at step {step + 1}: {error}; without "
+          f"[resilience] backups nothing can take over", file=sys.stderr, flush=True)
+    kind = "late" if isinstance(error, Late) else "failure_detected"
+    run.log.event(kind, step=step + 1, rank=run.rank, error=str(error))
+    run.log.close(f"failed: {where}: {error}")
+    run.comm.Abort(3)
+
+
+def train(run: Run) -> int:
+    """The plain pipeline training loop (no backups); returns the exit status."""
+    s = setup(run)
+    cfg, log, progress, comm = run.cfg, run.log, run.progress, run.comm
+    eval_every = cfg["run"]["eval_every"]
+    ckpt_every = cfg["run"]["checkpoint_every"]
+    batch = cfg["data"]["batch_size"]
+    if run.rank == 0:
+        progress.message(f"{cfg['model']['name']} in {s.pipe.k} stages, balance "
+                         f"{s.pipe.balance}, {cfg['pipeline']['schedule']}, "
+                         f"{s.pipe.chunks} micro-batches of ~{batch // s.pipe.chunks}")
+    loss = math.nan
+    accuracy = math.nan
+    accuracy_step = -1
+    train_s = 0.0
+    t_prev = time.perf_counter()
+    step = s.start_step
+    for step in range(s.start_step, s.total_steps):
+        try:
+            figures = train_step(s, step)
+        except (Late, PeerFailed) as e:
+            _abort(s, step, e)
+        gathered = gather_figures(comm, figures)
+        now = time.perf_counter()
+        dt, t_prev = now - t_prev, now
+        train_s += dt
+        if gathered is not None:
+            losses = [f.pop("loss") for f in gathered.values() if "loss" in f]
+            loss = losses[0] if losses else math.nan
+            sps = batch / dt if dt > 0 else math.nan
+            log.step(step + 1, loss=loss, samples=batch, samples_per_s=sps, ranks=gathered)
+            progress.update(step + 1, loss=loss, samples_per_s=sps)
+        done = step + 1
+        if (eval_every and done % eval_every == 0) or done == s.total_steps:
+            accuracy, accuracy_step = evaluate(s), done
+            log.eval(done, accuracy=accuracy)
+            progress.message(f"step {done}: test accuracy {accuracy:.4f}")
+            t_prev = time.perf_counter()
+        if s.checkpoint_dir is not None and (
+                (ckpt_every and done % ckpt_every == 0) or done == s.total_steps):
+            save_checkpoint(s, done)
+            t_prev = time.perf_counter()
+    if accuracy_step != s.total_steps:
+        accuracy = evaluate(s)
+    steps_run = s.total_steps - s.start_step
+    summary = {
+        "steps": s.total_steps,
+        "samples_per_s": steps_run * batch / train_s if train_s > 0 else math.nan,
+        "final_loss": loss,
+        "test_accuracy": accuracy,
+        "log": str(log.path) if log.active else "",
+    }
+    log.set_attr("summary", summary)
+    progress.summary(**summary)
+    log.close("completed")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    """Body of `python -m mpipipe train`: set up the run, then train (plain or ResPipe)."""
+    run = start_run(args, prog=PROG, system="mpipipe", defaults=PIPELINE_DEFAULTS,
+                    choices=PIPELINE_CHOICES, build_plan=pipeline_plan)
+    if run.plan.ranks_of("backup"):
+        # ResPipe: ranks with backup roles exist, so the resilient loop drives the job.
+        try:
+            from . import resilience
+        except ImportError:
+            run.fail("this plan has backup ranks but mpipipe.resilience is not installed")
+        runner = getattr(resilience, "train", None)
+        if runner is None:
+            run.fail("mpipipe.resilience has no train(run) entry point")
+        return int(runner(run))
+    return train(run)
