@@ -73,9 +73,15 @@ install_packages() {
 install_packages
 
 # --- 2. the demo data (made once, shared with make demo) ---------------------
-if [[ $SMOKE == 0 && ! -d data/digits ]]; then
-    say "converting the digits data set into data/digits"
-    "$PY" -m native.convert digits data/digits
+if [[ $SMOKE == 0 ]]; then
+    if [[ ! -d data/digits ]]; then
+        say "converting the digits data set into data/digits"
+        "$PY" -m native.convert digits data/digits
+    fi
+    if [[ ! -d data/stannis-digits ]]; then
+        say "splitting data/digits into public and per-CSD shards (data/stannis-digits)"
+        "$PY" -m stannis prepare --source data/digits --out data/stannis-digits
+    fi
 fi
 
 # --- 3. a private cluster in a temporary directory ---------------------------
@@ -139,8 +145,10 @@ FIRST_JOB_ID=$(
     shopt -s nullglob
     max=0
     for f in runs/*; do
-        f=${f#runs/}; f=${f%.out}; f=${f##*-}
-        [[ $f =~ ^[0-9]+$ ]] && ((10#$f > max)) && max=$((10#$f))
+        f=${f#runs/}
+        if [[ $f =~ ^([0-9]+)$ || $f =~ -([0-9]+)\.out$ ]]; then
+            ((10#${BASH_REMATCH[1]} > max)) && max=$((10#${BASH_REMATCH[1]}))
+        fi
     done
     echo $((max + 1))
 )
