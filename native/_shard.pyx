@@ -262,7 +262,6 @@ cdef class ShardSet:
     cdef int typenums[SHARD_MAX_FIELDS]
     cdef int ndims[SHARD_MAX_FIELDS]
     cdef cnp.npy_intp shapes[SHARD_MAX_FIELDS][SHARD_MAX_NDIM]
-    cdef void *outs[SHARD_MAX_FIELDS]
 
     def __cinit__(self, list shards, list dtypes, str name=""):
         """shards: open Shard objects (same layout, checked by the caller);
@@ -301,6 +300,7 @@ cdef class ShardSet:
     def gather(self, const int64_t[::1] idx, list outs):
         """Copy records idx into outs (one C-contiguous array per field, rows >= len(idx))."""
         cdef shard_err_t err
+        cdef void *outs_c[SHARD_MAX_FIELDS]  # on the stack: other threads gather too
         cdef size_t n = idx.shape[0]
         cdef uint32_t f
         cdef int d, rc
@@ -327,12 +327,12 @@ cdef class ShardSet:
             if not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISWRITEABLE(a):
                 raise ShardError(f"{self.name}: output {f} must be C-contiguous and writeable",
                                  path=self.name)
-            self.outs[f] = cnp.PyArray_DATA(a)
+            outs_c[f] = cnp.PyArray_DATA(a)
         if n == 0:
             return
         with nogil:
             rc = shard_gather(self.ptrs, self.starts, self.n, self.total, &idx[0], n,
-                              self.outs, &err)
+                              outs_c, &err)
         if rc:
             raise _error(&err, self.name)
 
