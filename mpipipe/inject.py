@@ -154,12 +154,6 @@ class FaultPlan:
         self._kill = kill or (lambda: os.kill(os.getpid(), signal.SIGKILL))
         self._fired: set[tuple[int, int]] = set()  # (fault index, step) of one-shot faults
 
-    def retarget(self, stage: int | None) -> None:
-        """Aim at a new stage (a backup that took over a stage inherits its delays, not its kill)."""
-        self.stage = stage
-        self.mine = [f for f in self.all if f.targets(stage=stage, rank=self.rank)
-                     and f.kind in ("delay", "slow")]
-
     def slowdown(self, step: int) -> float:
         """The compute slow-down factor in force at ``step`` (1.0 when none)."""
         factor = 1.0

@@ -1,0 +1,1157 @@
+"""ResPipe's resilience: backups, replicas every R steps, detection, agreed takeover and replay of a step.
+
+This is our reconstruction of ResPipe (only the paper's abstract is available);
+docs/respipe.md describes the mechanism and its knobs. In short:
+
+- Every rank builds the whole model (same seed), so a backup can serve its
+  stage after loading the stage's replica: parameters and optimizer state,
+  sent every R steps (cold), plus, in hot mode, the stage's inputs and output
+  gradients so that the backup mirrors every update; in neighbour mode the
+  previous stage holds the replica and merges the lost stage into its own.
+- A late stage is found by a receive deadline, a dead one by ULFM's
+  MPIX_ERR_PROC_FAILED. Whoever notices starts a *round*: it revokes the data
+  communicator (ULFM), announces its state on the control communicator and
+  waits a grace period. The lowest live rank decides: who is left, which
+  backup serves each lost stage, and the step P to replay; survivors that got
+  one step further roll it back from their snapshot. The new communicator
+  comes from ``Shrink`` (dead ranks) or ``Create_group`` (a stalled rank,
+  which stays alive and is told it was replaced).
+- Every message carries the route's generation in its tag and travels on the
+  generation's own communicator, so a demoted rank that wakes up is never
+  listened to again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import ft
+from .costmodel import StageShape, predict, state_bytes
+from .inject import Fault, FaultPlan
+from .pipeline import SHADOW_GRAD_MICRO, Pipeline, Route
+from .transport import REPLICA, SHADOW, Late, PeerFailed
+
+__all__ = [
+    "Settings",
+    "StageLost",
+    "Demoted",
+    "ResPipe",
+    "pack_state",
+    "unpack_state",
+    "replica_numel",
+    "stage_shapes",
+    "SHADOW_GRAD_MICRO",
+]
+
+# Hot mode: a stage > 0 relays its input of micro-batch i as SHADOW micro i, and a
+# stage < K-1 the gradient of its output as SHADOW micro SHADOW_GRAD_MICRO + i.
+
+# Control messages (float64 arrays on the generation's control communicator).
+_ANNOUNCE, _DECISION, _DEMOTED, _END, _FIGS, _FAULT, _EVAL = range(1, 8)
+_CTL_LEN = 256
+_REASONS = {0: "none", 1: "late", 2: "failed", 3: "revoked", 4: "announced"}
+_BACKUP_POLL_S = 0.02
+_DEBUG = bool(os.environ.get("MPIPIPE_DEBUG_ROUNDS"))
+
+
+class StageLost(RuntimeError):
+    """A stage failed and no backup (or neighbour) is left to serve it."""
+
+    def __init__(self, stage: int, rank: int, reason: str) -> None:
+        self.stage, self.rank, self.reason = stage, rank, reason
+        super().__init__(
+            f"stage {stage} (world rank {rank}) {reason} and has no backup left: the pipeline "
+            f"cannot continue. Give it one with resilience.backups = {{{stage} = 1}} (and run "
+            f"under mpirun --with-ft ulfm to survive dead ranks)")
+
+
+class Demoted(RuntimeError):
+    """This rank was late and has been replaced; it must not send anything more."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        super().__init__(f"this rank was replaced at generation {generation}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``[resilience]`` knobs, checked."""
+
+    backups: Mapping[int, int]
+    replicate_every: int = 1
+    mode: str = "cold"
+    deadline_s: float = 30.0
+    deadline_factor: float = 0.0
+    faults: tuple[Fault, ...] = ()
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], stages: int) -> Settings:
+        """Read and check ``cfg["resilience"]``.
+
+        Raises:
+            ValueError: R < 1, a deadline <= 0, or a bad fault spec (names the key).
+        """
+        from .inject import parse_all
+        from .roles import _backup_counts
+
+        sec = cfg["resilience"]
+        r = int(sec["replicate_every"])
+        if r < 1:
+            raise ValueError(f"resilience.replicate_every = {r}: must be >= 1")
+        if float(sec["deadline_s"]) <= 0:
+            raise ValueError(f"resilience.deadline_s = {sec['deadline_s']}: must be > 0")
+        if float(sec["deadline_factor"]) < 0:
+            raise ValueError("resilience.deadline_factor must be >= 0 (0: fixed deadline only)")
+        faults = tuple(parse_all(sec.get("inject", [])))
+        for f in faults:
+            if f.stage is not None and f.stage >= stages:
+                raise ValueError(f"fault {f}: stage {f.stage} does not exist "
+                                 f"(stages 0..{stages - 1})")
+        return cls(_backup_counts(sec.get("backups", {}), stages), r, sec["mode"],
+                   float(sec["deadline_s"]), float(sec["deadline_factor"]), faults)
+
+    @property
+    def grace_s(self) -> float:
+        """How long a round waits for silent ranks before it leaves them out."""
+        return min(max(0.5 * self.deadline_s, 0.2), 5.0)
+
+
+# -- replicas --------------------------------------------------------------------------------
+
+def _state_keys(optim: str) -> tuple[str, ...]:
+    return {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}[optim]
+
+
+def replica_numel(params: Sequence[torch.Tensor], optim: str, momentum: float = 0.0) -> int:
+    """Number of float32 values in a replica of ``params`` and their optimizer state."""
+    n = sum(p.numel() for p in params)
+    return n + state_bytes(4 * n, len(params), optim, momentum) // 4
+
+
+def pack_state(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, optim: str,
+               momentum: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Parameters then optimizer state, as one flat float32 tensor (one message, no pickling)."""
+    numel = replica_numel(params, optim, momentum)
+    flat = out if out is not None else torch.empty(numel, dtype=torch.float32)
+    pos = 0
+    with torch.no_grad():
+        for p in params:
+            flat[pos:pos + p.numel()].copy_(p.reshape(-1))
+            pos += p.numel()
+        has_state = optim == "adam" or momentum
+        if has_state:
+            for p in params:
+                st = optimizer.state.get(p, {})
+                for key in _state_keys(optim):
+                    buf = st.get(key)
+                    seg = flat[pos:pos + p.numel()]
+                    seg.copy_(buf.reshape(-1)) if buf is not None else seg.zero_()
+                    pos += p.numel()
+            if optim == "adam":
+                for p in params:
+                    step = optimizer.state.get(p, {}).get("step")
+                    flat[pos] = float(step) if step is not None else 0.0
+                    pos += 1
+    assert pos == numel
+    return flat
+
+
+def unpack_state(flat: torch.Tensor, params: Sequence[torch.Tensor],
+                 optimizer: torch.optim.Optimizer, optim: str, momentum: float, count: int) -> None:
+    """Load a replica into ``params`` and ``optimizer`` (state only once a step was taken)."""
+    pos = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[pos:pos + p.numel()].view_as(p))
+            pos += p.numel()
+        if optim == "adam" or momentum:
+            for p in params:
+                st = optimizer.state[p] if count > 0 else {}
+                for key in _state_keys(optim):
+                    if count > 0:
+                        st[key] = flat[pos:pos + p.numel()].view_as(p).clone()
+                    pos += p.numel()
+                if count == 0:
+                    optimizer.state.pop(p, None)
+            if optim == "adam":
+                for p in params:
+                    if count > 0:
+                        optimizer.state[p]["step"] = torch.tensor(float(flat[pos]))
+                    pos += 1
+
+
+def stage_shapes(pipe: Pipeline, in_shape: Sequence[int], optim: str,
+                 momentum: float) -> tuple[list[StageShape], int]:
+    """The cost model's view of ``pipe``: per-stage activation and replica bytes, input bytes."""
+    shapes = pipe.boundary_shapes(in_shape)
+
+    def nbytes(i: int) -> int:
+        shape, dtype = shapes[i]
+        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+    out = []
+    for k, part in enumerate(pipe.partitions):
+        params = list(part.parameters())
+        pb = 4 * sum(p.numel() for p in params)
+        act = nbytes(k + 1) if k < pipe.k - 1 else 0
+        out.append(StageShape(act, pb, state_bytes(pb, len(params), optim, momentum)))
+    return out, nbytes(0)
+
+
+# -- the control plane -----------------------------------------------------------------------
+
+def _ctl_tag(code: int, seq: int = 0) -> int:
+    return (code << 24) | (seq % (1 << 24))
+
+
+class _Control:
+    """Small float64 messages on a control communicator: announcements, decisions, figures.
+
+    Why a second communicator: revoking the data communicator (to wake every
+    survivor at once) must not take the control messages with it, and control
+    traffic must not count as pipeline bytes.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        from mpi4py import MPI
+
+        self.comm = comm
+        self.MPI = MPI
+        self._sends: list[tuple[Any, np.ndarray]] = []
+
+    def send(self, code: int, dest: int, values: Sequence[float], seq: int = 0) -> None:
+        buf = np.asarray(values, dtype=np.float64)
+        try:
+            req = self.comm.Isend(buf, dest, _ctl_tag(code, seq))
+            self._sends.append((req, buf))
+        except Exception:  # noqa: BLE001 - a dead or gone peer: nothing to tell it
+            pass
+        self._reap()
+
+    def _reap(self) -> None:
+        still = []
+        for req, buf in self._sends:
+            try:
+                if not req.Test():
+                    still.append((req, buf))
+            except Exception:  # noqa: BLE001 - peer died: drop the message
+                pass
+        self._sends = still
+
+    def poll(self, code: int, source: int, seq: int = 0) -> np.ndarray | None:
+        """One waiting message with this code from ``source``, or None (never blocks)."""
+        status = self.MPI.Status()
+        try:
+            if not self.comm.Iprobe(source, _ctl_tag(code, seq), status):
+                return None
+            n = status.Get_count(self.MPI.DOUBLE)
+            buf = np.empty(n, dtype=np.float64)
+            self.comm.Recv(buf, source, _ctl_tag(code, seq))
+            return buf
+        except Exception:  # noqa: BLE001 - source died: treat as silent
+            return None
+
+
+# -- the resilient trainer -------------------------------------------------------------------
+
+@dataclass
+class _Slot:
+    """One held copy of a stage's state: the flat replica and its step count."""
+
+    flat: torch.Tensor
+    count: int
+
+
+@dataclass
+class _Round:
+    reason: str
+    suspect: int
+    t_detect: float
+    waited_s: float = math.nan
+
+
+@dataclass
+class StepFigures:
+    """What the trainer reports for one completed step on rank 0."""
+
+    step: int
+    time: float
+    loss: float
+    samples: int
+    ranks: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+class ResPipe:
+    """Runs the training steps of one rank with backups, takeover and replay.
+
+    Every rank of the job constructs one and calls :meth:`train`; the launch
+    plan says whether it starts as a stage or a backup. Callables supplied by
+    the training command keep this class free of data sets and models:
+    ``batch_of(step) -> (x, y)`` must return the same mini-batch for the same
+    step (a replay re-reads it), ``make_optimizer(params)`` builds a stage's
+    optimizer, and ``evaluate(pipe) -> (correct, count) | None`` runs a
+    forward-only pass on every stage rank.
+    """
+
+    def __init__(
+        self,
+        *,
+        cfg: Mapping[str, Any],
+        plan: Any,
+        pipe: Pipeline,
+        make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        evaluate: Callable[[Pipeline], tuple[int, int] | None] | None = None,
+        log: Any = None,
+        progress: Any = None,
+        comm: Any = None,
+        in_shape: Sequence[int] | None = None,
+        out: Any = None,
+    ) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.world = comm or MPI.COMM_WORLD
+        self.wrank = self.world.Get_rank()
+        self.cfg = cfg
+        self.plan = plan
+        self.settings = Settings.from_config(cfg, pipe.k)
+        self.pipe = pipe
+        self.make_optimizer = make_optimizer
+        self.loss_fn = loss_fn
+        self.batch_of = batch_of
+        self.evaluate_fn = evaluate
+        self.log = log
+        self.progress = progress
+        self.out = out or sys.stdout
+        self.in_shape = tuple(in_shape) if in_shape is not None else pipe.in_shape
+        self.optim = cfg["optim"]["name"]
+        self.momentum = float(cfg["optim"].get("momentum", 0.0)) if self.optim == "sgd" else 0.0
+        self.batch_size = int(cfg["data"]["batch_size"])
+        self.ulfm = ft.ulfm_enabled()
+        self.gen = 0
+        data = self.world.Dup()
+        data.Set_errhandler(MPI.ERRORS_RETURN)
+        ctl = data.Dup()
+        ctl.Set_errhandler(MPI.ERRORS_RETURN)
+        self.data, self.control = data, _Control(ctl)
+        self.members = list(range(self.world.Get_size()))  # world rank of each data rank
+        self.route_w = [plan.ranks_of("stage", k)[0] for k in range(pipe.k)]
+        self.backups_w: dict[int, list[int]] = {
+            k: plan.ranks_of("backup", k) for k in range(pipe.k)}
+        self.balance = list(pipe.balance)
+        role = plan.role_of(self.wrank)
+        self.stage: int | None = role.index if role.kind == "stage" else None
+        self.shadowing: int | None = role.index if role.kind == "backup" else None
+        self.ward: int | None = None  # neighbour mode: the stage whose replica this stage holds
+        self.done = 0
+        self.snapshot: _Slot | None = None
+        self.slots: list[_Slot] = []  # held replicas (backup or neighbour), newest last
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.faults = FaultPlan(self.settings.faults, seed=int(cfg["run"]["seed"]),
+                                stage=self.stage, rank=self.wrank, on_fire=self._fault_fired)
+        self.step_times: deque[float] = deque(maxlen=21)
+        self.pending_rows: dict[int, StepFigures] = {}
+        self.fault_notes: dict[int, tuple[float, str]] = {}  # world rank -> (time, spec)
+        self.open_events: list[dict[str, Any]] = []  # takeovers waiting for their recovery_s
+        self.events: list[tuple[str, dict[str, Any]]] = []  # what rank 0 logged (for tests)
+        self.last_eval: float = math.nan
+        self.finished = False
+        self._early: dict[int, np.ndarray] = {}
+        self._gen_step = 0  # the step the current generation started at
+        self._rebind_pipe()
+        if self.shadowing is not None:
+            self._warm_up(self.shadowing)
+
+    def _warm_up(self, stage: int) -> None:
+        """Run the stage's layers and its optimizer once on throwaway copies.
+
+        Why: the first optimizer step of a process imports parts of torch that take
+        seconds; a backup that paid this only at takeover would miss its deadline.
+        """
+        import copy
+
+        part = copy.deepcopy(self.pipe.partitions[stage])
+        shape, dtype = self.pipe.boundary_shapes(self.in_shape)[stage]
+        x = torch.zeros((2, *shape), dtype=dtype, requires_grad=dtype.is_floating_point)
+        out = part(x)
+        out.float().sum().backward()
+        opt = self.make_optimizer(part.parameters())
+        opt.step()
+
+    # -- small helpers ---------------------------------------------------------------
+    @property
+    def is_logger(self) -> bool:
+        return self.wrank == 0
+
+    def _drank(self, world_rank: int) -> int:
+        return self.members.index(world_rank)
+
+    def _deadline(self) -> float:
+        s = self.settings
+        if s.deadline_factor > 0 and len(self.step_times) >= 5:
+            return max(s.deadline_factor * statistics.median(self.step_times), 0.05)
+        return s.deadline_s
+
+    def _say(self, text: str) -> None:
+        print(f"mpipipe: rank {self.wrank}: {text}", file=self.out, flush=True)
+
+    def _params(self, stage: int) -> list[nn.Parameter]:
+        return list(self.pipe.partitions[stage].parameters())
+
+    def _holders_of(self, stage: int) -> list[int]:
+        """World ranks that hold a replica of ``stage``."""
+        if self.settings.mode == "neighbour":
+            if stage not in self.settings.backups or self.pipe.k < 2:
+                return []
+            return [self.route_w[stage - 1] if stage > 0 else self.route_w[1]]
+        return list(self.backups_w.get(stage, []))
+
+    def _ward_of(self, world_rank: int) -> int | None:
+        if self.settings.mode != "neighbour":
+            return None
+        for k in range(self.pipe.k):
+            if world_rank in self._holders_of(k):
+                return k
+        return None
+
+    def _rebind_pipe(self) -> None:
+        """Point the pipeline at the current route, communicator and shadows."""
+        hot = self.settings.mode == "hot"
+        # Stage 0's mirror reads its own input, so only later stages relay theirs.
+        shadows = tuple((k, self._drank(b)) for k, bs in self.backups_w.items() for b in bs
+                        if k > 0) if hot else ()
+        route = Route(tuple(self._drank(w) for w in self.route_w), self.gen, shadows)
+        self.pipe.rebind(route, self.data)
+        self.pipe.relay_grads = hot
+        self.ward = self._ward_of(self.wrank) if self.stage is not None else None
+        if self.stage is not None and self.optimizer is None:
+            self.optimizer = self.make_optimizer(self._params(self.stage))
+
+    # -- fault notes -----------------------------------------------------------------
+    def _fault_fired(self, fault: Fault, step: int, detail: Mapping[str, float]) -> None:
+        now = time.time()
+        if self.is_logger:
+            self._log_event("fault_injected", step, self.wrank, fault=str(fault), at=now)
+        else:
+            self.control.send(_FAULT, self._drank(self._logger_w()), [now, step, self.wrank],
+                              seq=self.wrank)
+        if fault.kind == "kill":
+            time.sleep(0.01)  # let the note leave before the process dies
+
+    def _drain_fault_notes(self) -> None:
+        if not self.is_logger:
+            return
+        for w in self.members:
+            if w == self.wrank:
+                continue
+            msg = self.control.poll(_FAULT, self._drank(w), seq=w)
+            while msg is not None:
+                t, step = float(msg[0]), int(msg[1])
+                spec = next((str(f) for f in self.settings.faults
+                             if f.targets(stage=self._launch_stage(w), rank=w)
+                             and (f.kind == "delay" or f.step == step)), "?")
+                self.fault_notes[w] = (t, spec)
+                self._log_event("fault_injected", step, w, fault=spec, at=t)
+                msg = self.control.poll(_FAULT, self._drank(w), seq=w)
+
+    def _logger_w(self) -> int:
+        """World rank of the log writer (rank 0; the lowest member if it is gone)."""
+        return 0 if 0 in self.members else self.members[0]
+
+    def _rel(self, t_abs: float) -> float | None:
+        """A wall-clock time as seconds since the log opened (the log's time column)."""
+        if self.log is None or not self.log.active:
+            return None
+        return self.log.elapsed() - (time.time() - t_abs)
+
+    def _launch_stage(self, w: int) -> int | None:
+        role = self.plan.role_of(w)
+        return role.index if role.kind == "stage" else None
+
+    def _log_event(self, kind: str, step: int, rank: int, **detail: Any) -> None:
+        self.events.append((kind, dict(detail, step=step, rank=rank)))
+        if self.log is not None:
+            t = detail.pop("at", None)
+            self.log.event(kind, step=step, rank=rank, time=None if t is None else self._rel(t),
+                           **detail)
+
+    # -- the training loop -----------------------------------------------------------
+    def train(self, total_steps: int, eval_every: int = 0) -> dict[str, Any]:
+        """Train until ``total_steps`` optimizer steps are applied; returns the summary (rank 0).
+
+        Raises:
+            StageLost: a stage failed with no backup left (raised on every survivor).
+            Demoted: this rank was replaced (raised on the demoted rank only).
+        """
+        self.total = total_steps
+        if self.is_logger:
+            self._log_cost_model()
+        t_start = time.time()
+        self.eval_every = eval_every
+        while True:
+            try:
+                if self.stage is not None:
+                    if self.done >= total_steps:
+                        break
+                    self._stage_step()
+                else:
+                    if self._backup_wait(total_steps):
+                        break
+            except (Late, PeerFailed) as e:
+                self._recover(self._round_from(e))
+            except _RoundStarted as e:
+                self._recover(e.round)
+        self._finish()
+        elapsed = time.time() - t_start
+        return {"steps": self.done, "elapsed_s": elapsed, "generation": self.gen,
+                "accuracy": self.last_eval}
+
+    def _round_from(self, e: Exception) -> _Round:
+        now = time.time()
+        if isinstance(e, Late):
+            return _Round("late", self.members[e.source] if 0 <= e.source < len(self.members)
+                          else -1, now, e.waited_s)
+        assert isinstance(e, PeerFailed)
+        revoked = e.error_class == self.MPI.ERR_REVOKED
+        src = self.members[e.peer] if 0 <= e.peer < len(self.members) else -1
+        return _Round("revoked" if revoked else "failed", -1 if revoked else src, now)
+
+    def _check_announcements(self) -> None:
+        """Join a round another rank started (its announcement is waiting)."""
+        for w in self.members:
+            if w == self.wrank:
+                continue
+            msg = self.control.poll(_ANNOUNCE, self._drank(w), seq=self.gen)
+            if msg is not None:
+                self._early[w] = msg  # the round reads it from here
+                raise _RoundStarted(_Round("announced", -1, time.time()))
+        if self._demoted():
+            raise Demoted(self.gen + 1)
+
+    def _demoted(self) -> bool:
+        """True if a round of this generation left this rank out (it was late)."""
+        return any(self.control.poll(_DEMOTED, self._drank(w), seq=self.gen) is not None
+                   for w in self.members if w != self.wrank)
+
+    def _stage_step(self) -> None:
+        s = self.done
+        pipe, opt = self.pipe, self.optimizer
+        assert self.stage is not None and opt is not None
+        ta = time.perf_counter()
+        self._drain_fault_notes()
+        slept = self.faults.at_step(s)
+        x, y = self.batch_of(s)
+        if _DEBUG and self.gen and s <= self._gen_step + 1:
+            self._say(f"step {s} start at {time.time() % 100:.3f}, data {time.perf_counter() - ta:.3f}")
+        self.snapshot = _Slot(pack_state(self._params(self.stage), opt, self.optim, self.momentum),
+                              self.done)
+        pipe.deadline = self._deadline()
+        t0 = time.perf_counter()
+        pipe.transport.reset_counters()
+        loss = pipe.step(x if pipe.first else None,
+                         y if (pipe.first or pipe.last) else None, self.loss_fn, step=s)
+        factor = self.faults.slowdown(s)
+        if factor > 1:
+            time.sleep((factor - 1) * pipe.last_compute_s)
+        opt.step()
+        self.done = s + 1
+        self._replicate()
+        self.step_times.append(time.perf_counter() - t0 - slept)
+        if _DEBUG and self.gen and s <= self._gen_step + 1:
+            self._say(f"step {s}: {time.perf_counter() - t0:.3f} s (compute "
+                      f"{pipe.last_compute_s:.3f}, wait {pipe.last_wait_s:.3f})")
+        t = pipe.transport
+        figs = [s, time.time(), math.nan if loss is None else loss, pipe.last_compute_s,
+                t.wait_s, t.total_sent, t.total_recv, self.wrank]
+        self._report(s, figs)
+        if self.eval_every and (self.done % self.eval_every == 0 or self.done == self.total):
+            self._evaluate()
+        elif self.done == self.total:
+            self._evaluate()
+
+    def _replicate(self) -> None:
+        """Send this stage's replica to its holders every R steps (and take the ward's)."""
+        assert self.stage is not None and self.optimizer is not None
+        R = self.settings.replicate_every
+        if self.done % R:
+            return
+        t = self.pipe.transport
+        holders = self._holders_of(self.stage)
+        if holders:
+            flat = pack_state(self._params(self.stage), self.optimizer, self.optim, self.momentum)
+            for h in holders:
+                t.send(flat, self._drank(h), kind=REPLICA, step=self.done)
+        if self.ward is not None:
+            self._take_replica(self.route_w[self.ward], self.ward, self.done, t)
+        t.flush(self._deadline())
+
+    def _take_replica(self, source_w: int, stage: int, count: int, t: Any,
+                      deadline: float | None = None) -> None:
+        n = replica_numel(self._params(stage), self.optim, self.momentum)
+        buf = torch.empty(n, dtype=torch.float32)
+        t.recv(buf, self._drank(source_w), kind=REPLICA, step=count,
+               deadline=self._deadline() if deadline is None else deadline)
+        self._hold(_Slot(buf, count))
+
+    def _hold(self, slot: _Slot) -> None:
+        self.slots = [s for s in self.slots if s.count != slot.count][-1:] + [slot]
+
+    # -- per-step figures and the log ------------------------------------------------
+    def _report(self, s: int, figs: list[float]) -> None:
+        if not self.is_logger:
+            self.control.send(_FIGS, self._drank(self._logger_w()), figs, seq=s)
+            return
+        row = self.pending_rows.get(s) or StepFigures(s, figs[1], figs[2], self.batch_size)
+        row.ranks[self.wrank] = self._fig_dict(figs)
+        self.pending_rows[s] = row
+        # Rows are written one step late: a step can only be rolled back while it is the
+        # newest, so a written row is never undone and samples are never counted twice.
+        for old in sorted(k for k in self.pending_rows if k < s):
+            self._write_row(old)
+        self._close_open_events(figs[1])
+
+    @staticmethod
+    def _fig_dict(figs: Sequence[float]) -> dict[str, float]:
+        return {"compute_s": float(figs[3]), "wait_s": float(figs[4]),
+                "bytes_sent": int(figs[5]), "bytes_recv": int(figs[6])}
+
+    def _collect_figs(self, s: int, wait_s: float) -> None:
+        row = self.pending_rows[s]
+        if s < self._gen_step:
+            wait_s = 0.0  # the route changed since: a rank of the row may be gone
+        want = [w for w in self.route_w if w != self.wrank]
+        end = time.perf_counter() + wait_s
+        while True:
+            for w in want:
+                if w in row.ranks or w not in self.members:
+                    continue
+                msg = self.control.poll(_FIGS, self._drank(w), seq=s)
+                if msg is not None:
+                    row.ranks[w] = self._fig_dict(msg)
+                    if not math.isnan(msg[2]):
+                        row.loss = float(msg[2])
+                    row.time = max(row.time, float(msg[1]))
+            if all(w in row.ranks for w in want if w in self.members) or \
+                    time.perf_counter() > end:
+                return
+            time.sleep(0.0005)
+
+    def _write_row(self, s: int) -> None:
+        self._collect_figs(s, 0.5)
+        row = self.pending_rows.pop(s)
+        if self.log is not None:
+            rate = row.samples / statistics.median(self.step_times) if self.step_times else 0.0
+            self.log.step(s + 1, time=self._rel(row.time), loss=row.loss, samples=row.samples,
+                          samples_per_s=rate, ranks=row.ranks)
+        if self.progress is not None:
+            self.progress.update(s + 1, loss=row.loss)
+
+    def _close_open_events(self, t_done: float) -> None:
+        for ev in self.open_events:
+            rec = t_done - ev["t0"]
+            self._log_event(ev["kind"] + "_recovered", ev["step"], ev["rank"],
+                            recovery_s=rec, detected_after_s=ev["detected_after_s"],
+                            stage=ev["stage"], generation=ev["generation"])
+        self.open_events = []
+
+    def _evaluate(self) -> None:
+        if self.evaluate_fn is None:
+            return
+        self.pipe.deadline = max(self.settings.deadline_s, self._deadline())
+        # Every stage starts an evaluation with the same sequence number, even after a
+        # replay made some of them evaluate at this step once before.
+        self.pipe.eval_count = (self.done * 64) % 4096
+        result = self.evaluate_fn(self.pipe)
+        if result is not None:
+            correct, count = result
+            acc = correct / max(count, 1)
+            if self.is_logger:
+                self._log_eval(self.done, acc)
+            else:
+                self.control.send(_EVAL, self._drank(self._logger_w()),
+                                  [self.done, acc, time.time()], seq=self.done)
+        if self.is_logger and result is None:
+            msg = None
+            src = self._drank(self.route_w[-1])
+            end = time.perf_counter() + 5.0
+            while msg is None and time.perf_counter() < end:
+                msg = self.control.poll(_EVAL, src, seq=self.done)
+                if msg is None:
+                    time.sleep(0.0005)
+            if msg is not None:
+                self._log_eval(int(msg[0]), float(msg[1]), float(msg[2]))
+
+    def _log_eval(self, step: int, acc: float, at: float | None = None) -> None:
+        self.last_eval = acc
+        if self.log is not None and self.log.active:
+            self.log.eval(step, time=self._rel(at or time.time()), accuracy=acc)
+
+    def _log_cost_model(self) -> None:
+        try:
+            shapes, _ = stage_shapes(self.pipe, self.in_shape, self.optim, self.momentum)
+        except Exception:  # noqa: BLE001 - shapes unknown: the log just lacks the prediction
+            return
+        s = self.settings
+        label = 8 if self.pipe.labels == "travel" and self.pipe.k > 1 else 0
+        c = predict(shapes, batch_size=self.batch_size, backups=dict(s.backups),
+                    replicate_every=s.replicate_every, mode=s.mode, label_bytes=label)
+        self._log_event("cost_model", 0, -1, bytes_per_step=c.total, plain=c.plain,
+                        replica=c.replica, shadow=c.shadow, lost_updates=c.lost_updates,
+                        mode=s.mode, replicate_every=s.replicate_every)
+
+    def _finish(self) -> None:
+        """Tell backups the run is over; write the last row."""
+        if self.stage is not None:
+            for k, bs in self.backups_w.items():
+                if k == self.stage:
+                    for b in bs:
+                        self.control.send(_END, self._drank(b), [self.done], seq=0)
+        if self.is_logger:
+            for s in sorted(self.pending_rows):
+                self._write_row(s)
+        self.finished = True
+
+    # -- backups ---------------------------------------------------------------------
+    def _backup_wait(self, total: int) -> bool:
+        """One poll of a backup: take replicas (cold) or mirror a step (hot). True when done."""
+        k = self.shadowing
+        assert k is not None
+        stage_w = self.route_w[k]
+        if self.control.poll(_END, self._drank(stage_w), seq=0) is not None:
+            return True
+        self._check_announcements()
+        if self.settings.mode == "hot":
+            self._mirror_step(k, stage_w)
+            return False
+        R = self.settings.replicate_every
+        nxt = (self.done // R + 1) * R
+        if nxt > total:
+            nxt = total  # no replica comes after the last step
+            time.sleep(_BACKUP_POLL_S)
+            return False
+        t = self.pipe.transport
+        # Probe before receiving: a cancelled receive could lose a replica already matched.
+        if self._probe(stage_w, t.tag(REPLICA, nxt)):
+            self._take_replica(stage_w, k, nxt, t)
+            self.done = nxt
+        else:
+            time.sleep(0.001)
+        return False
+
+    def _probe(self, source_w: int, tag: int) -> bool:
+        """Is a data message from ``source_w`` waiting? A dead source raises PeerFailed."""
+        src = self._drank(source_w)
+        try:
+            return bool(self.pipe.transport.comm.Iprobe(src, tag))
+        except self.MPI.Exception as e:
+            raise PeerFailed(src, ft.error_class(e)) from e
+
+    def _mirror_step(self, k: int, stage_w: int) -> None:
+        """Hot mode: run stage k's forward and backward on the relayed tensors, then step.
+
+        The stage relays its inputs (stages > 0) and its output gradients (stages < K-1);
+        the first stage's mirror reads x and the last stage's mirror reads y itself, so
+        the mirror applies exactly the stage's update, in the same order.
+        """
+        pipe, t, m = self.pipe, self.pipe.transport, self.pipe.chunks
+        s = self.done
+        part = pipe.partitions[k]
+        params = self._params(k)
+        if self.optimizer is None or getattr(self, "_mirror_of", None) != k:
+            self.optimizer = self.make_optimizer(params)
+            self._mirror_of = k
+        src = self._drank(stage_w)
+        first, last = k == 0, k == pipe.k - 1
+        shape, dtype = pipe.boundary_shapes(self.in_shape)[k]
+        out_shape, out_dtype = pipe.boundary_shapes(self.in_shape)[k + 1]
+
+        def grad_of(i: int, n: int, d: float) -> torch.Tensor:
+            return t.recv(torch.empty((n, *out_shape), dtype=out_dtype), src, kind=SHADOW,
+                          step=s, micro=SHADOW_GRAD_MICRO + i, deadline=d)
+
+        # Wait (briefly, so END and announcements are seen) for the first relayed tensor.
+        probe_micro = 0 if not first else SHADOW_GRAD_MICRO
+        if not self._probe(stage_w, t.tag(SHADOW, s, probe_micro)):
+            time.sleep(0.0005)
+            return
+        deadline = self._deadline()
+        if first or last:
+            x, y = self.batch_of(s)
+        ins = list(x.tensor_split(m)) if first else [
+            t.recv_rows(shape, dtype, src, kind=SHADOW, step=s, micro=i, deadline=deadline)
+            for i in range(m)]
+        ys = list(y.tensor_split(m)) if last else None
+        snap = _Slot(pack_state(params, self.optimizer, self.optim, self.momentum), s)
+        for p in params:
+            p.grad = None
+        total = sum(len(v) for v in ys) if ys else 0
+        outs = []
+        for i, inp in enumerate(ins):
+            if not first:
+                inp.requires_grad_(inp.is_floating_point())
+            out = part(inp)
+            if last:
+                assert ys is not None
+                out = self.loss_fn(out, ys[i]) * (len(ys[i]) / total)
+            outs.append(out)
+        for i, out in enumerate(outs):
+            grad = None if last else grad_of(i, len(ins[i]), deadline)
+            if out.requires_grad:
+                out.backward(grad)
+        self.optimizer.step()
+        self.snapshot = snap
+        self.done = s + 1
+        self.slots = [snap, _Slot(pack_state(params, self.optimizer, self.optim,
+                                             self.momentum), self.done)]
+        if self.done % self.settings.replicate_every == 0:
+            # The periodic replica guards the mirror against drift; it replaces the state.
+            self._take_replica(stage_w, k, self.done, t, deadline=deadline)
+            unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim, self.momentum,
+                         self.done)
+
+    # -- rounds: detection, agreement, takeover ----------------------------------------
+    def _state_vector(self, rnd: _Round) -> list[float]:
+        kind = 0 if self.stage is not None else 1
+        index = self.stage if self.stage is not None else (self.shadowing or 0)
+        held = sorted(self.slots, key=lambda s: s.count)
+        latest = held[-1].count if held else -1
+        prev = held[-2].count if len(held) > 1 else -1
+        if self.stage is not None and self.ward is not None:
+            pass  # the ward's replica counts are the held slots
+        dead = 0
+        for w in ft.failed_ranks(self.data) if self.ulfm else []:
+            dead |= 1 << self.members[w]
+        if rnd.reason == "failed" and rnd.suspect >= 0:
+            dead |= 1 << rnd.suspect
+        return [self.gen, self.wrank, kind, index, self.done, latest, prev,
+                {v: k for k, v in _REASONS.items()}[rnd.reason], rnd.suspect, rnd.t_detect,
+                float(dead), rnd.waited_s]
+
+    def _recover(self, rnd: _Round) -> None:
+        """Run one round: announce, wait, decide (lowest live rank), apply the decision."""
+        if self.ulfm:
+            ft.revoke(self.data)  # wake every survivor blocked on the data communicator
+        self.pipe.transport.discard()
+        self.pipe.zero_grad()
+        mine = self._state_vector(rnd)
+        for w in self.members:
+            if w != self.wrank:
+                self.control.send(_ANNOUNCE, self._drank(w), mine, seq=self.gen)
+        heard: dict[int, np.ndarray] = {self.wrank: np.asarray(mine)}
+        heard.update((w, m) for w, m in self._early.items() if int(m[0]) == self.gen)
+        self._early = {}
+        dead = int(mine[10])
+        start = time.perf_counter()
+        grace = self.settings.grace_s
+        decision = None
+        while decision is None:
+            if self._demoted():
+                raise Demoted(self.gen + 1)
+            for w in self.members:
+                if w == self.wrank or w in heard:
+                    continue
+                msg = self.control.poll(_ANNOUNCE, self._drank(w), seq=self.gen)
+                if msg is not None and int(msg[0]) == self.gen:
+                    heard[w] = msg
+                    dead |= int(msg[10])
+            if self.ulfm:
+                for d in ft.failed_ranks(self.control.comm):
+                    dead |= 1 << self.members[d]
+            silent = [w for w in self.members if w not in heard and not (dead >> w) & 1]
+            waited = time.perf_counter() - start
+            coordinator = min(heard)
+            if coordinator == self.wrank and (not silent or waited > grace):
+                decision = self._decide(heard, dead, silent)
+                for w in decision["members"]:
+                    if w != self.wrank:
+                        self.control.send(_DECISION, self._drank(w), decision["vector"],
+                                          seq=self.gen)
+                for w in silent:
+                    self.control.send(_DEMOTED, self._drank(w), [self.gen + 1], seq=self.gen)
+                break
+            for w in sorted(heard):
+                if w == self.wrank:
+                    continue
+                msg = self.control.poll(_DECISION, self._drank(w), seq=self.gen)
+                if msg is not None:
+                    decision = self._read_decision(msg)
+                    break
+            if decision is None and waited > 4 * grace + 2.0:
+                # The coordinator we expected went silent too: leave it out and go on.
+                heard.pop(coordinator, None)
+                if coordinator == self.wrank:
+                    raise RuntimeError("round failed: no decision reached")
+            time.sleep(0.001)
+        if _DEBUG:
+            self._say(f"round gen {self.gen}: {rnd.reason} suspect {rnd.suspect} -> "
+                      f"members {decision['members']} route {decision['route']} P {decision['P']}")
+        self._apply(decision, heard, rnd)
+
+    def _decide(self, heard: Mapping[int, np.ndarray], dead: int,
+                silent: Sequence[int]) -> dict[str, Any]:
+        """The coordinator's verdict: members, new route, replay step P and replica choices."""
+        members = sorted(heard)
+        k_count = self.pipe.k
+        lost: list[int] = [k for k in range(k_count) if self.route_w[k] not in heard]
+        route = list(self.route_w)
+        promoted: dict[int, int] = {}
+        lost_stage, merge = -1, -1
+        for k in lost:
+            if self.settings.mode == "neighbour":
+                holders = [h for h in self._holders_of(k) if h in heard]
+                if holders and len(lost) == 1:
+                    merge = k
+                    continue
+                lost_stage = k
+                break
+            cands = [b for b in self.backups_w.get(k, []) if b in heard]
+            if not cands:
+                lost_stage = k
+                break
+            promoted[k] = cands[0]
+            route[k] = cands[0]
+        stage_done = [int(heard[w][4]) for w in members if int(heard[w][2]) == 0]
+        floor = min(stage_done) if stage_done else 0
+        P = floor
+        holders_now = dict(promoted)
+        if merge >= 0:
+            holders_now[merge] = [h for h in self._holders_of(merge) if h in heard][0]
+        for b in holders_now.values():
+            have = {int(heard[b][5]), int(heard[b][6])}
+            if floor not in have and floor - 1 in have:
+                P = floor - 1
+        choices = {}
+        for k, b in holders_now.items():
+            have = sorted(c for c in (int(heard[b][5]), int(heard[b][6])) if 0 <= c <= P)
+            choices[k] = P if P in have else (have[-1] if have else 0)
+        shrink = 1 if any((dead >> w) & 1 for w in self.members if w not in heard) and \
+            not any(not (dead >> w) & 1 for w in silent) else 0
+        first = min((heard[w] for w in members if int(heard[w][7]) in (1, 2)),
+                    key=lambda v: v[9], default=heard[members[0]])
+        vec = [self.gen + 1, P, lost_stage, merge, shrink, float(first[7]), float(first[8]),
+               float(first[9]), float(first[11]), len(members), *members, len(route), *route,
+               len(choices), *[x for k, c in sorted(choices.items()) for x in (k, c)],
+               len(silent), *silent]
+        return self._read_decision(np.asarray(vec, dtype=np.float64))
+
+    @staticmethod
+    def _read_decision(v: np.ndarray) -> dict[str, Any]:
+        it = iter(v.tolist())
+        d: dict[str, Any] = {"vector": v}
+        d["gen"], d["P"], d["lost_stage"], d["merge"], d["shrink"] = (int(next(it)) for _ in range(5))
+        d["reason"] = _REASONS.get(int(next(it)), "late")
+        d["suspect"], d["t_detect"], d["waited_s"] = int(next(it)), next(it), next(it)
+        d["members"] = [int(next(it)) for _ in range(int(next(it)))]
+        d["route"] = [int(next(it)) for _ in range(int(next(it)))]
+        n = int(next(it))
+        d["choices"] = {int(next(it)): int(next(it)) for _ in range(n)}
+        d["silent"] = [int(next(it)) for _ in range(int(next(it)))]
+        return d
+
+    def _apply(self, d: Mapping[str, Any], heard: Mapping[int, np.ndarray], rnd: _Round) -> None:
+        """Build the new communicators, then adopt the route, roles and state of step P."""
+        MPI = self.MPI
+        old_data, old_ctl = self.data, self.control.comm
+        gone = [w for w in self.members if w not in d["members"]]
+        new = None
+        if not d["shrink"]:
+            group = old_ctl.Get_group().Incl([self._drank(w) for w in d["members"]])
+            try:
+                new = old_ctl.Create_group(group, tag=100 + d["gen"] % 1000)
+                new.Set_errhandler(MPI.ERRORS_RETURN)
+            except MPI.Exception as e:
+                # A left-out rank was dead after all: ULFM refuses; every member gets the
+                # same error and shrinks instead.
+                if not (self.ulfm and ft.is_proc_failed(e)):
+                    raise
+            group.Free()
+        if new is None:
+            new = ft.shrink(old_ctl)
+        ctl = new.Dup()
+        ctl.Set_errhandler(MPI.ERRORS_RETURN)
+        old_group = old_ctl.Get_group()
+        translated = new.Get_group().Translate_ranks(list(range(new.Get_size())), old_group)
+        members_new = [self.members[i] for i in translated]
+        old_group.Free()
+        if sorted(members_new) != sorted(d["members"]):
+            raise RuntimeError(f"round disagreement: communicator has {members_new}, decision "
+                               f"says {d['members']}")
+        if self.ulfm:
+            ft.agree(new, 1)
+        t_comm = time.time()
+        del old_data  # never freed: a demoted rank may still post to it
+        self.data, self.control, self.members = new, _Control(ctl), members_new
+        self.gen = d["gen"]
+        P = d["P"]
+        self._gen_step = P
+        stage_before = {k: w for k, w in enumerate(self.route_w)}
+        if d["lost_stage"] >= 0:
+            k = d["lost_stage"]
+            self._log_event("stage_lost", P, stage_before[k], stage=k, reason=d["reason"])
+            self._flush_rows_until(P)
+            raise StageLost(k, stage_before[k], "failed" if d["reason"] == "failed"
+                            else "stopped responding")
+        # Roll back a step this rank completed beyond P (its snapshot holds step P).
+        if self.stage is not None and self.done > P:
+            if self.snapshot is None or self.snapshot.count != P:
+                raise RuntimeError(f"cannot roll back from step {self.done} to {P}")
+            assert self.optimizer is not None
+            unpack_state(self.snapshot.flat, self._params(self.stage), self.optimizer,
+                         self.optim, self.momentum, P)
+            self.done = P
+        if d["merge"] >= 0:
+            self._merge(d, P)
+        for k, w in enumerate(d["route"]):
+            if w == self.wrank and self.stage != k and d["merge"] < 0:
+                self._promote(k, d["choices"][k], P)
+        lost_stages = [k for k, w in stage_before.items() if w not in d["members"]]
+        self.route_w = list(d["route"])
+        for k in list(self.backups_w):
+            self.backups_w[k] = [b for b in self.backups_w[k]
+                                 if b in d["members"] and b not in self.route_w]
+        if self.stage is None and self.shadowing is not None:
+            self.slots = []
+            self.done = P
+        self.pending_rows = {s: r for s, r in self.pending_rows.items() if s < P}
+        self._rebind_pipe()
+        t_fault = min((self.fault_notes.get(w, (math.nan,))[0] for w in gone),
+                      default=math.nan)
+        detected_after = d["t_detect"] - t_fault if not math.isnan(t_fault) else d["waited_s"]
+        if self.is_logger:
+            self._drain_fault_notes()
+            t_fault = min((self.fault_notes.get(w, (math.nan,))[0] for w in gone),
+                          default=math.nan)
+            detected_after = d["t_detect"] - t_fault if not math.isnan(t_fault) \
+                else d["waited_s"]
+            kind = "failure_detected" if d["reason"] == "failed" or d["shrink"] else "late"
+            for w in gone:
+                self._log_event(kind, P, w, detected_after_s=detected_after,
+                                how="ulfm" if d["shrink"] else "deadline",
+                                stage=next((k for k, x in stage_before.items() if x == w), -1))
+            for k in lost_stages:
+                w_new = self.route_w[k] if d["merge"] < 0 else self.route_w[max(k - 1, 0)]
+                ev = {"kind": "takeover", "step": P, "rank": w_new, "stage": k,
+                      "generation": self.gen, "detected_after_s": detected_after,
+                      "t0": t_fault if not math.isnan(t_fault) else d["t_detect"]}
+                self._log_event("takeover", P, w_new, stage=k, replaced=stage_before[k],
+                                generation=self.gen, replay_step=P + 1,
+                                lost_updates=P - d["choices"].get(k, P),
+                                detected_after_s=detected_after,
+                                agreement_s=t_comm - d["t_detect"], mode=self.settings.mode)
+                self.open_events.append(ev)
+        self._resync(P)
+        if _DEBUG:
+            self._say(f"applied at {time.time() % 100:.3f}")
+
+    def _flush_rows_until(self, P: int) -> None:
+        if self.is_logger:
+            for s in sorted(self.pending_rows):
+                if s < P:
+                    self._write_row(s)
+
+    def _promote(self, k: int, count: int, P: int) -> None:
+        """This backup now serves stage k from its replica of step ``count``."""
+        slot = next((s for s in self.slots if s.count == count), None)
+        params = self._params(k)
+        if self.optimizer is None or getattr(self, "_mirror_of", None) != k:
+            self.optimizer = self.make_optimizer(params)
+        if slot is None:
+            raise RuntimeError(f"backup of stage {k} lacks the replica of step {count}")
+        unpack_state(slot.flat, params, self.optimizer, self.optim, self.momentum, count)
+        self.stage, self.shadowing = k, None
+        self.done = P
+        self.slots = []
+        self.snapshot = None
+        self._say(f"took over stage {k} at step {P + 1} (replica of step {count})")
+
+    def _merge(self, d: Mapping[str, Any], P: int) -> None:
+        raise NotImplementedError("neighbour takeover is not implemented yet")
+
+    def _resync(self, P: int) -> None:
+        """After a takeover every stage refreshes its backups, so all replicas are of step P."""
+        t = self.pipe.transport
+        deadline = max(self.settings.deadline_s, 1.0)
+        if self.stage is not None:
+            assert self.optimizer is not None
+            holders = self._holders_of(self.stage)
+            if holders:
+                flat = pack_state(self._params(self.stage), self.optimizer, self.optim,
+                                  self.momentum)
+                for h in holders:
+                    t.send(flat, self._drank(h), kind=REPLICA, step=P, micro=1)
+            if self.ward is not None:
+                self._take_resync(self.route_w[self.ward], self.ward, P, t, deadline)
+            t.flush(deadline)
+        elif self.shadowing is not None:
+            self._take_resync(self.route_w[self.shadowing], self.shadowing, P, t, deadline)
+            if self.settings.mode == "hot":
+                params = self._params(self.shadowing)
+                if self.optimizer is None or getattr(self, "_mirror_of", None) != self.shadowing:
+                    self.optimizer = self.make_optimizer(params)
+                    self._mirror_of = self.shadowing
+                unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim,
+                             self.momentum, P)
+            self.done = P
+
+    def _take_resync(self, source_w: int, stage: int, P: int, t: Any, deadline: float) -> None:
+        n = replica_numel(self._params(stage), self.optim, self.momentum)
+        buf = torch.empty(n, dtype=torch.float32)
+        t.recv(buf, self._drank(source_w), kind=REPLICA, step=P, micro=1, deadline=deadline)
+        self.slots = [_Slot(buf, P)]
+
+
+class _RoundStarted(Exception):
+    def __init__(self, rnd: _Round, first_from: int = -1) -> None:
+        super().__init__(rnd.reason)
+        self.round = rnd
+        self.first_from = first_from
+
+
+# -- glue for the training command -------------------------------------------------------------
+
+class BatchCache:
+    """``batch_of(step)`` over a sequential reader: keeps the last few batches for replays.
+
+    Why copies: the reader reuses its output buffers, and a replay after a takeover
+    re-reads the mini-batch of a step the reader has already moved past.
+    """
+
+    def __init__(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                 keep: int = 3, first_step: int = 0) -> None:
+        self.next_batch = next_batch
+        self.keep = keep
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.next_step = first_step
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step in self.cache:
+            return self.cache[step]
+        if step < self.next_step:
+            raise RuntimeError(f"step {step} is older than the {self.keep} batches kept")
+        while self.next_step <= step:
+            x, y = self.next_batch()
+            self.cache[self.next_step] = (x.clone(), y.clone())
+            self.next_step += 1
+        for old in [s for s in self.cache if s < step - self.keep + 1]:
+            del self.cache[old]
+        return self.cache[step]
+
+
+def needed(cfg: Mapping[str, Any]) -> bool:
+    """True when the run needs resilience: backups, injected faults, or ULFM on."""
+    sec = cfg["resilience"]
+    return bool(sec.get("backups")) or bool(sec.get("inject")) or ft.ulfm_enabled()
