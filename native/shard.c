@@ -795,8 +795,10 @@ static void advise_after(shard_t *s, int64_t first, int64_t last, int in_order, 
     if (in_order) {
         int continues = first == __atomic_load_n(&s->next_in_order, __ATOMIC_RELAXED);
         __atomic_store_n(&s->next_in_order, last + 1, __ATOMIC_RELAXED);
-        if (!continues)
+        if (!continues) {
+            s->released_upto = 0; /* a new scan (next epoch, a seek): start dropping afresh */
             return;
+        }
         if (!s->sequential) {
             s->sequential = 1;
             advise(s, s->data_offset, s->index_offset, MADV_SEQUENTIAL);
