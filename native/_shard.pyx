@@ -297,12 +297,18 @@ cdef class ShardSet:
         free(self.ptrs)
         free(self.starts)
 
-    def gather(self, const int64_t[::1] idx, list outs):
-        """Copy records idx into outs (one C-contiguous array per field, rows >= len(idx))."""
+    def gather(self, cnp.ndarray idx, list outs):
+        """Copy records idx (1-D C-contiguous int64) into outs (one C-contiguous array per
+        field, rows >= len(idx)). Allocates nothing: no buffer, no memoryview."""
         cdef shard_err_t err
         cdef void *outs_c[SHARD_MAX_FIELDS]  # on the stack: other threads gather too
-        cdef size_t n = idx.shape[0]
         cdef uint32_t f
+        if (cnp.PyArray_TYPE(idx) != cnp.NPY_INT64 or cnp.PyArray_NDIM(idx) != 1
+                or not cnp.PyArray_IS_C_CONTIGUOUS(idx)):
+            raise ShardError(f"{self.name}: indices must be a 1-D C-contiguous int64 array",
+                             path=self.name)
+        cdef size_t n = <size_t>cnp.PyArray_DIM(idx, 0)
+        cdef const int64_t *ip = <const int64_t *>cnp.PyArray_DATA(idx)
         cdef int d, rc
         cdef cnp.ndarray a
         if <uint32_t>len(outs) != self.nf:
@@ -331,7 +337,7 @@ cdef class ShardSet:
         if n == 0:
             return
         with nogil:
-            rc = shard_gather(self.ptrs, self.starts, self.n, self.total, &idx[0], n,
+            rc = shard_gather(self.ptrs, self.starts, self.n, self.total, ip, n,
                               outs_c, &err)
         if rc:
             raise _error(&err, self.name)

@@ -280,3 +280,23 @@ def test_shuffled_reads_release_after_budget(tmp_path):
 def test_layout_matches_c_core():
     size, layout = _shard.layout([("a", 1, (3,)), ("b", 8, ()), ("c", 10, (2,))])
     assert size == 24 and layout == [(0, 3), (8, 8), (16, 8)]
+
+
+def test_steady_state_reads_allocate_no_buffers(shard):
+    import tracemalloc
+
+    path, _ = shard
+    r = native.ShardReader(path)
+    s = native.Sampler(len(r), seed=0)
+    out = r.empty(50)  # 2.8 KB per batch
+    for idx in s.batches(50):
+        r.read(idx, out=out)  # warm up
+    it = s.batches(50)  # the epoch's order (one array per epoch) is made at the first batch
+    r.read(next(it), out=out)
+    tracemalloc.start()
+    base, _ = tracemalloc.get_traced_memory()
+    for idx in it:
+        r.read(idx, out=out)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak - base < 1000  # less than one batch: no buffers, only small views
