@@ -8,19 +8,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from . import checkpoint, data
 from .cli import Run, add_train_arguments, gather_figures, start_run
 from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
-from .models import build_model
-from .partition import balance_by_params, balance_by_time, check_balance
-from .pipeline import Pipeline, Route
+from .progress import Progress
 from .roles import pipeline_plan
-from .transport import Late, PeerFailed
+
+# torch, the engine and the data reader are imported where used, so that a wrong
+# configuration is reported before any rank pays for importing torch.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from . import data
+    from .pipeline import Pipeline
 
 __all__ = ["add_parser", "main", "Setup", "setup", "make_optimizer", "train_step",
            "evaluate", "save_checkpoint", "train"]
@@ -77,6 +79,8 @@ class Setup:
 
 def make_optimizer(cfg: dict, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
     """This stage's optimizer, or None for a stage without parameters (only ReLU, pooling)."""
+    import torch
+
     if not params:
         return None
     o = cfg["optim"]
@@ -113,6 +117,14 @@ def setup(run: Run) -> Setup:
     Every configuration error stops all ranks with one line: checks that need no
     message are made on every rank, the others are agreed with one allgather.
     """
+    import torch
+    from torch import nn
+
+    from . import checkpoint, data
+    from .models import build_model
+    from .partition import balance_by_params, balance_by_time, check_balance
+    from .pipeline import Pipeline, Route
+
     cfg, comm = run.cfg, run.comm
     error = _static_checks(cfg)
     if error:
@@ -238,6 +250,8 @@ def train_step(s: Setup, step: int) -> dict[str, float]:
 
 def evaluate(s: Setup) -> float:
     """Accuracy on the whole test split, known on every rank (allreduced)."""
+    from . import data
+
     pipe, path, bs = s.pipe, s.run.cfg["data"]["path"], s.run.cfg["data"]["batch_size"]
     correct = count = 0
     if pipe.first:
@@ -257,6 +271,8 @@ def evaluate(s: Setup) -> float:
 
 def save_checkpoint(s: Setup, step: int) -> None:
     """Every stage writes its own file; rank 0 logs one event."""
+    from . import checkpoint
+
     pipe = s.pipe
     if s.checkpoint_dir is None or pipe.stage_module is None:
         s.run.comm.Barrier()
@@ -271,6 +287,8 @@ def save_checkpoint(s: Setup, step: int) -> None:
 
 def _abort(s: Setup, step: int, error: Exception) -> None:
     """Without resilience a late or dead stage ends the job: say why, then stop every rank."""
+    from .transport import Late
+
     run = s.run
     where = f"stage {s.pipe.stage} (rank {run.rank})"
     print(f"{run.prog}: error: {where} at step {step + 1}: {error}; without "
@@ -283,6 +301,8 @@ def _abort(s: Setup, step: int, error: Exception) -> None:
 
 def train(run: Run) -> int:
     """The plain pipeline training loop (no backups); returns the exit status."""
+    from .transport import Late, PeerFailed
+
     s = setup(run)
     cfg, log, progress, comm = run.cfg, run.log, run.progress, run.comm
     eval_every = cfg["run"]["eval_every"]
@@ -334,7 +354,10 @@ def train(run: Run) -> int:
         "log": str(log.path) if log.active else "",
     }
     log.set_attr("summary", summary)
-    progress.summary(**summary)
+    if run.rank == 0:
+        # the summary line stays under --quiet (only the progress display goes)
+        shown = progress if progress.enabled else Progress(1, enabled=True, prog=run.prog)
+        shown.summary(**summary)
     log.close("completed")
     return 0
 

@@ -1,0 +1,131 @@
+"""`mpirun python -m mpipipe train`: accuracy on digits, clear start-up errors, exact resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CONFIG = ROOT / "jobs" / "configs" / "pipeline-digits.toml"
+ERROR_LINE = "mpipipe train: error:"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    return env
+
+
+def mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python -m mpipipe train ARGS` on n ranks; a hang fails the test at `timeout`."""
+    cmd = [str(BIN / "mpirun"), "--oversubscribe", "-x", "PYTHONPATH", "-n", str(n),
+           sys.executable, "-m", "mpipipe", "train", "--quiet", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "digits"
+    subprocess.run([sys.executable, "-m", "native.convert", "digits", str(out)], cwd=ROOT,
+                   env=_env(), check=True, capture_output=True, timeout=120)
+    return out
+
+
+def _data(digits: Path) -> list[str]:
+    return ["--config", str(CONFIG), "--set", f'data.path="{digits}"']
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lenet_on_digits_in_three_stages_reaches_95_percent(digits, tmp_path):
+    log = tmp_path / "run.h5"
+    result = mpirun(3, *_data(digits), "--log", str(log), timeout=280)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = [line for line in result.stdout.splitlines() if "done:" in line]
+    assert len(summary) == 1, result.stdout[-2000:]
+    accuracy = float(re.search(r"test accuracy ([0-9.]+)", summary[0]).group(1))
+    assert accuracy >= 0.95, summary[0]
+
+    from mpipipe.runlog import open_log
+    run = open_log(log)
+    assert run.steps["step"][-1] == 600
+    assert run.eval["accuracy"][-1] == pytest.approx(accuracy, abs=1e-4)
+    for rank in range(3):
+        assert (run.ranks[rank]["bytes_sent"] > 0).all()
+
+
+BAD = [
+    # (ranks, extra arguments or config text, words the one error line must contain)
+    (2, [], "needs 3 ranks"),
+    (2, ["--set", "pipeline.chunkz=4"], "unknown key 'pipeline.chunkz'"),
+    (2, ["--set", "pipeline.schedule=zigzag"], "choose one of gpipe, 1f1b"),
+    (2, ["--set", "pipeline.stages=2", "--set", "data.batch_size=2"],
+     "smaller than pipeline.chunks"),
+    (2, ["--set", "pipeline.stages=2", "--set", "pipeline.balance=[1, 1]"], "covers 2 layers"),
+    (3, "[plan]\n\"stage 0\" = 0\n\"stage 1\" = 1\n\"backup 1\" = 2\n", "stage 2 has no rank"),
+    (3, "[plan]\n\"stage 0\" = 0\n\"stage 1\" = 0\n\"stage 2\" = 1\n", "rank 0 has two roles"),
+    (2, ["--set", "pipeline.stages=2", "--set", 'data.path="/nonexistent/digits"'],
+     "has no train/ directory"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ranks,extra,words", BAD, ids=[b[2] for b in BAD])
+def test_bad_plan_or_config_stops_every_rank_with_one_line(digits, tmp_path, ranks, extra,
+                                                          words):
+    args = _data(digits)
+    if isinstance(extra, str):
+        plan = tmp_path / "plan.toml"
+        plan.write_text(CONFIG.read_text() + "\n" + extra)
+        args = ["--config", str(plan), "--set", f'data.path="{digits}"']
+    else:
+        args += extra
+    result = mpirun(ranks, *args, "--log", str(tmp_path / "bad.h5"), timeout=50)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith(ERROR_LINE)]
+    assert len(errors) == 1, result.stderr
+    assert words in errors[0], errors[0]
+    assert "Traceback" not in result.stderr
+
+
+def _params(directory: Path, stages: int) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for k in range(stages):
+        blob = torch.load(directory / f"stage-{k}.pt", weights_only=True)
+        merged.update(blob["params"])
+    return merged
+
+
+@pytest.mark.timeout(240)
+def test_stop_and_resume_ends_where_an_uninterrupted_run_ends(digits, tmp_path):
+    common = [*_data(digits), "--set", "run.eval_every=0", "--set", "run.checkpoint_every=8",
+              "--set", "pipeline.balance_by=params", "--set", "optim.name=adam",
+              "--set", "optim.lr=0.003"]
+    whole, first, second = tmp_path / "whole", tmp_path / "first", tmp_path / "second"
+    runs = [
+        common + ["--set", "run.steps=16", "--set", f'run.checkpoint_dir="{whole}"'],
+        common + ["--set", "run.steps=8", "--set", f'run.checkpoint_dir="{first}"'],
+        common + ["--set", "run.steps=16", "--set", f'run.checkpoint_dir="{second}"',
+                  "--resume", str(first)],
+    ]
+    for i, args in enumerate(runs):
+        result = mpirun(3, *args, "--log", str(tmp_path / f"run{i}.h5"), timeout=70)
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert torch.load(second / "stage-0.pt", weights_only=True)["step"] == 16
+    a, b = _params(whole, 3), _params(second, 3)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # and the run really trained: the parameters moved away from the checkpoint at step 8
+    c = _params(first, 3)
+    assert any(not torch.equal(a[n], c[n]) for n in a)
