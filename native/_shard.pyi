@@ -1,9 +1,9 @@
 """Type stub for the compiled C/Cython core (native/_shard.pyx)."""
 
-from collections.abc import Buffer
-
 import numpy as np
 import numpy.typing as npt
+
+Buffer = bytes | bytearray | memoryview | np.ndarray
 
 VERIFY_MODES: dict[str, int]
 MAX_FIELDS: int
