@@ -122,6 +122,48 @@ static uint32_t crc_soft(uint32_t crc, const unsigned char *p, size_t len)
 }
 
 #ifdef SHARD_X86
+/* The crc32 instruction has a latency of 3 cycles and a throughput of 1, so three
+ * independent streams run about 3x faster than one. The streams' CRCs are joined
+ * by "shifting" the earlier ones over the bytes that follow them: a linear map on
+ * 32-bit values, applied with four table lookups (tables built once from the
+ * portable code, as in Mark Adler's crc32c.c). */
+#define CRC_LONG 1024
+#define CRC_SHORT 128
+
+static uint32_t crc_shift_table[4][4][256]; /* [LONG, 2*LONG, SHORT, 2*SHORT][byte][value] */
+static int crc_shift_ready;
+
+static uint32_t shift_soft(uint32_t v, size_t zeros)
+{
+    static const unsigned char z[2 * CRC_LONG];
+    return crc_soft(v, z, zeros);
+}
+
+static void crc_shift_init(void)
+{
+    static const size_t lens[4] = {CRC_LONG, 2 * CRC_LONG, CRC_SHORT, 2 * CRC_SHORT};
+    for (int t = 0; t < 4; t++) {
+        uint32_t basis[32];
+        for (int b = 0; b < 32; b++)
+            basis[b] = shift_soft(1u << b, lens[t]);
+        for (int byte = 0; byte < 4; byte++)
+            for (uint32_t v = 0; v < 256; v++) {
+                uint32_t r = 0;
+                for (int b = 0; b < 8; b++)
+                    if (v >> b & 1)
+                        r ^= basis[8 * byte + b];
+                crc_shift_table[t][byte][v] = r;
+            }
+    }
+    __atomic_store_n(&crc_shift_ready, 1, __ATOMIC_RELEASE);
+}
+
+static inline uint32_t crc_shift(int t, uint32_t v)
+{
+    return crc_shift_table[t][0][v & 0xFF] ^ crc_shift_table[t][1][(v >> 8) & 0xFF] ^
+           crc_shift_table[t][2][(v >> 16) & 0xFF] ^ crc_shift_table[t][3][v >> 24];
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *p,
                                                           size_t len)
 {
@@ -129,6 +171,29 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uns
     while (len && ((uintptr_t)p & 7)) {
         c = _mm_crc32_u8((uint32_t)c, *p++);
         len--;
+    }
+    if (len >= 3 * CRC_SHORT && !__atomic_load_n(&crc_shift_ready, __ATOMIC_ACQUIRE)) {
+        if (!__atomic_load_n(&crc_table_ready, __ATOMIC_ACQUIRE))
+            crc_init_table();
+        crc_shift_init();
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        const size_t blk = pass == 0 ? CRC_LONG : CRC_SHORT;
+        const int t = pass == 0 ? 0 : 2;
+        while (len >= 3 * blk) {
+            uint64_t c1 = 0, c2 = 0, v0, v1, v2;
+            for (size_t i = 0; i < blk; i += 8) {
+                memcpy(&v0, p + i, 8);
+                memcpy(&v1, p + blk + i, 8);
+                memcpy(&v2, p + 2 * blk + i, 8);
+                c = _mm_crc32_u64(c, v0);
+                c1 = _mm_crc32_u64(c1, v1);
+                c2 = _mm_crc32_u64(c2, v2);
+            }
+            c = crc_shift(t + 1, (uint32_t)c) ^ crc_shift(t, (uint32_t)c1) ^ (uint32_t)c2;
+            p += 3 * blk;
+            len -= 3 * blk;
+        }
     }
     while (len >= 8) {
         uint64_t v;

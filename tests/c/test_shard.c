@@ -144,12 +144,13 @@ static void test_crc32c(void)
     CHECK(shard_crc32c_portable(0, "123456789", 9) == 0xE3069283u);
     unsigned char zeros[32] = {0};
     CHECK(shard_crc32c(0, zeros, 32) == 0x8A9136AAu);
-    unsigned char buf[1000];
-    for (int i = 0; i < 1000; i++)
-        buf[i] = (unsigned char)(i * 31 + 7);
-    /* Every alignment and length: the hardware and table paths agree, and chaining works. */
+    static unsigned char buf[10000];
+    for (int i = 0; i < 10000; i++)
+        buf[i] = (unsigned char)(i * 31 + 7 + (i >> 8));
+    /* Every alignment and many lengths (one stream, three short or long streams, and
+     * mixtures): the hardware and table paths agree, and chaining works. */
     for (size_t off = 0; off < 9; off++)
-        for (size_t len = 0; len < 300; len += 7) {
+        for (size_t len = 0; len < 9900; len += len < 400 ? 7 : 97) {
             uint32_t a = shard_crc32c(0, buf + off, len);
             CHECK(a == shard_crc32c_portable(0, buf + off, len));
             size_t half = len / 3;
