@@ -11,9 +11,10 @@ counts is a payload the transport sends, so the model adds up payloads.
 - Replicas: a backup (or, in neighbour mode, the neighbouring stage) receives
   its stage's parameters and optimizer state every R steps:
   ``(param_bytes + state_bytes) / R`` per step per replica holder.
-- Hot mode: the stage also relays to each backup the activations it receives
-  (input) and the gradients of its output, so the backup mirrors every
-  update: ``batch * (act_in + act_out)`` per step per backup.
+- Hot mode: the stage also relays to each backup its input (the data itself
+  for stage 0) and the gradients of its output, so the backup mirrors every
+  update: ``batch * (act_in + act_out)`` per step per backup (the last stage's
+  backup reads its labels itself).
 
 A takeover loses at most R - 1 optimizer updates of the failed stage in cold
 and neighbour modes (0 at R = 1), and none in hot mode, whose backup applies
@@ -129,13 +130,15 @@ def predict(
     replicate_every: int = 1,
     mode: str = "cold",
     label_bytes: int = 0,
+    input_bytes: int = 0,
 ) -> Cost:
     """Predicted bytes per step for a K-stage pipeline (plain if ``backups`` is empty).
 
     ``backups`` maps stage -> number of backups; in neighbour mode it names the
     protected stages and the count is ignored (one neighbour holds the replica).
     ``label_bytes`` is bytes per sample of labels sent to the last stage (0 if
-    the last stage reads its own labels).
+    the last stage reads its own labels); ``input_bytes`` is bytes per sample of
+    the model's input, which stage 0 relays to its hot backups.
 
     Raises:
         ValueError: an unknown mode, R < 1, or a backup for a stage that does not exist.
@@ -152,7 +155,7 @@ def predict(
         rep = holders * stages[k].replica / replicate_every
         sh = 0.0
         if mode == "hot":
-            act_in = stages[k - 1].act_out if k > 0 else 0
+            act_in = stages[k - 1].act_out if k > 0 else input_bytes
             act_out = stages[k].act_out if k < k_last else 0
             sh = count * batch_size * (act_in + act_out)
         replica += rep
@@ -170,13 +173,14 @@ def trade_off(
     modes: Sequence[str] = ("cold", "hot"),
     rs: Sequence[int] = DEFAULT_R,
     label_bytes: int = 0,
+    input_bytes: int = 0,
 ) -> list[dict[str, Any]]:
     """One row per (mode, R): bytes per step, overhead over the plain pipeline, updates at risk."""
     rows = []
     for mode in modes:
         for r in rs:
             c = predict(stages, batch_size=batch_size, backups=backups, replicate_every=r,
-                        mode=mode, label_bytes=label_bytes)
+                        mode=mode, label_bytes=label_bytes, input_bytes=input_bytes)
             rows.append({"mode": mode, "R": r, "plain_bytes": c.plain, "respipe_bytes": c.total,
                          "replica_bytes": c.replica, "shadow_bytes": c.shadow,
                          "overhead": c.overhead, "lost_updates": c.lost_updates})

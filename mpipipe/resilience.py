@@ -431,9 +431,8 @@ class ResPipe:
     def _rebind_pipe(self) -> None:
         """Point the pipeline at the current route, communicator and shadows."""
         hot = self.settings.mode == "hot"
-        # Stage 0's mirror reads its own input, so only later stages relay theirs.
-        shadows = tuple((k, self._drank(b)) for k, bs in self.backups_w.items() for b in bs
-                        if k > 0) if hot else ()
+        shadows = tuple((k, self._drank(b)) for k, bs in self.backups_w.items() for b in bs) \
+            if hot else ()
         route = Route(tuple(self._drank(w) for w in self.route_w), self.gen, shadows)
         self.pipe.rebind(route, self.data)
         self.pipe.relay_grads = hot
@@ -702,13 +701,14 @@ class ResPipe:
 
     def _log_cost_model(self) -> None:
         try:
-            shapes, _ = stage_shapes(self.pipe, self.in_shape, self.optim, self.momentum)
+            shapes, in_bytes = stage_shapes(self.pipe, self.in_shape, self.optim, self.momentum)
         except Exception:  # noqa: BLE001 - shapes unknown: the log just lacks the prediction
             return
         s = self.settings
         label = 8 if self.pipe.labels == "travel" and self.pipe.k > 1 else 0
         c = predict(shapes, batch_size=self.batch_size, backups=dict(s.backups),
-                    replicate_every=s.replicate_every, mode=s.mode, label_bytes=label)
+                    replicate_every=s.replicate_every, mode=s.mode, label_bytes=label,
+                    input_bytes=in_bytes)
         self._log_event("cost_model", 0, -1, bytes_per_step=c.total, plain=c.plain,
                         replica=c.replica, shadow=c.shadow, lost_updates=c.lost_updates,
                         mode=s.mode, replicate_every=s.replicate_every)
@@ -763,9 +763,9 @@ class ResPipe:
     def _mirror_step(self, k: int, stage_w: int) -> None:
         """Hot mode: run stage k's forward and backward on the relayed tensors, then step.
 
-        The stage relays its inputs (stages > 0) and its output gradients (stages < K-1);
-        the first stage's mirror reads x and the last stage's mirror reads y itself, so
-        the mirror applies exactly the stage's update, in the same order.
+        The stage relays its inputs and its output gradients (stages < K-1); the last
+        stage's mirror reads y itself, so the mirror applies exactly the stage's update,
+        in the same order.
         """
         pipe, t, m = self.pipe, self.pipe.transport, self.pipe.chunks
         s = self.done
@@ -775,7 +775,7 @@ class ResPipe:
             self.optimizer = self.make_optimizer(params)
             self._mirror_of = k
         src = self._drank(stage_w)
-        first, last = k == 0, k == pipe.k - 1
+        last = k == pipe.k - 1
         shape, dtype = pipe.boundary_shapes(self.in_shape)[k]
         out_shape, out_dtype = pipe.boundary_shapes(self.in_shape)[k + 1]
 
@@ -784,25 +784,20 @@ class ResPipe:
                           step=s, micro=SHADOW_GRAD_MICRO + i, deadline=d)
 
         # Wait (briefly, so END and announcements are seen) for the first relayed tensor.
-        probe_micro = 0 if not first else SHADOW_GRAD_MICRO
-        if not self._probe(stage_w, t.tag(SHADOW, s, probe_micro)):
+        if not self._probe(stage_w, t.tag(SHADOW, s, 0)):
             time.sleep(0.0005)
             return
         deadline = self._deadline()
-        if first or last:
-            x, y = self.batch_of(s)
-        ins = list(x.tensor_split(m)) if first else [
-            t.recv_rows(shape, dtype, src, kind=SHADOW, step=s, micro=i, deadline=deadline)
-            for i in range(m)]
-        ys = list(y.tensor_split(m)) if last else None
+        ins = [t.recv_rows(shape, dtype, src, kind=SHADOW, step=s, micro=i, deadline=deadline)
+               for i in range(m)]
+        ys = list(self.batch_of(s)[1].tensor_split(m)) if last else None
         snap = _Slot(pack_state(params, self.optimizer, self.optim, self.momentum), s)
         for p in params:
             p.grad = None
         total = sum(len(v) for v in ys) if ys else 0
         outs = []
         for i, inp in enumerate(ins):
-            if not first:
-                inp.requires_grad_(inp.is_floating_point())
+            inp.requires_grad_(inp.is_floating_point())
             out = part(inp)
             if last:
                 assert ys is not None

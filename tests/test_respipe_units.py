@@ -112,7 +112,9 @@ def test_hot_adds_the_relayed_streams_and_loses_nothing():
     hot = costmodel.predict(STAGES, batch_size=8, backups={1: 1}, replicate_every=10, mode="hot")
     assert hot.shadow == 8 * (400 + 100) and hot.lost_updates == 0
     first = costmodel.predict(STAGES, batch_size=8, backups={0: 1}, replicate_every=10, mode="hot")
-    assert first.shadow == 8 * 400  # stage 0's backup reads its own input
+    assert first.shadow == 8 * 400  # no input bytes given
+    first = costmodel.predict(STAGES, batch_size=8, backups={0: 1}, mode="hot", input_bytes=256)
+    assert first.shadow == 8 * (256 + 400)  # stage 0 relays the data it reads
     last = costmodel.predict(STAGES, batch_size=8, backups={2: 1}, replicate_every=10, mode="hot")
     assert last.shadow == 8 * 100  # the last stage's backup computes its own loss
 
