@@ -283,6 +283,12 @@ cdef class ShardSet:
             total += shard_count(self.ptrs[i])
         self.total = total
         fields = (<Shard>shards[0]).fields()
+        for sh in shards[1:]:
+            # Field offsets may differ between writers; names, types and shapes may not.
+            other = sh.fields()
+            if [f[:3] for f in other] != [f[:3] for f in fields]:
+                raise ShardError(f"{sh.path}: schema mismatch with {shards[0].path}",
+                                 path=sh.path)
         self.nf = len(fields)
         self.dtypes = [np.dtype(d) for d in dtypes]
         if len(dtypes) != self.nf:

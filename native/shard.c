@@ -913,6 +913,10 @@ int shard_gather(shard_t *const *shards, const uint64_t *starts, size_t n_shards
     const uint32_t nf = s0->n_fields;
     uint64_t fsize[SHARD_MAX_FIELDS], foff[SHARD_MAX_FIELDS];
     char *dst[SHARD_MAX_FIELDS];
+    for (uint32_t q = 1; q < n_shards; q++)
+        if (shards[q]->n_fields != nf)
+            return fail(err, SHARD_E_ARG, -1, -1, "%s: gather over shards with different schemas",
+                        shards[q]->path);
     for (uint32_t f = 0; f < nf; f++) {
         fsize[f] = s0->fields[f].size;
         foff[f] = s0->fields[f].offset;
@@ -966,6 +970,9 @@ int shard_gather(shard_t *const *shards, const uint64_t *starts, size_t n_shards
             s = shards[j];
             lo = starts[j];
             hi = j + 1 < n_shards ? starts[j + 1] : total;
+            /* Same schema, but another writer may have laid the record out differently. */
+            for (uint32_t f = 0; f < nf; f++)
+                foff[f] = s->fields[f].offset;
         }
         uint64_t r = i - lo;
         const unsigned char *src = s->base + record_at(s, r);

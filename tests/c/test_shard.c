@@ -273,6 +273,36 @@ static void test_multishard(void)
     CHECK(batch_ok(img, lab, idx, 26, 0));
     idx[0] = 26;
     CHECK(shard_gather(s, starts, 3, 26, idx, 1, outs, &err) == SHARD_E_RANGE);
+
+    /* Same schema, another layout (label first, then the image): still read right. */
+    shard_field_t f[2];
+    char path[512];
+    fields2(f);
+    f[1].size = 8;
+    f[1].offset = 0;
+    f[0].size = IMG;
+    f[0].offset = 8;
+    path_of(path, "m1.shard");
+    shard_writer_t *w = shard_writer_open(path, f, 2, &err);
+    CHECK(w != NULL);
+    if (w) {
+        CHECK(shard_writer_record_size(w) == 56);
+        unsigned char rec[56], flip[56];
+        for (uint64_t r = 10; r < 25; r++) {
+            record(rec, r);
+            memcpy(flip, rec + IMG, 8);
+            memcpy(flip + 8, rec, IMG);
+            CHECK(shard_writer_append(w, flip, 1, &err) == SHARD_OK);
+        }
+        CHECK(shard_writer_close(w, &err) == SHARD_OK);
+    }
+    shard_close(s[1]);
+    s[1] = open_named("m1.shard", 1, &err);
+    CHECK(s[1] != NULL && shard_field(s[1], 0)->offset == 8);
+    for (int k = 0; k < 26; k++)
+        idx[k] = (k * 11) % 26;
+    CHECK(shard_gather(s, starts, 3, 26, idx, 26, outs, &err) == SHARD_OK);
+    CHECK(batch_ok(img, lab, idx, 26, 0));
     for (int i = 0; i < 3; i++)
         shard_close(s[i]);
 }
