@@ -346,7 +346,12 @@ cdef class ShardSet:
             rc = shard_gather(self.ptrs, self.starts, self.n, self.total, ip, n,
                               outs_c, &err)
         if rc:
-            raise _error(&err, self.name)
+            exc = _error(&err, self.name)
+            if self.n > 1 and str(exc).startswith("dataset:"):
+                # The C core knows shards, not the data set's directory: name it.
+                exc = ShardError(self.name + str(exc)[len("dataset"):], path=self.name,
+                                 record=exc.record, offset=exc.offset)
+            raise exc
 
     def field_shape(self, int f):
         return tuple(int(self.shapes[f][d]) for d in range(self.ndims[f]))

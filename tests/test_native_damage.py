@@ -258,9 +258,11 @@ def test_damaged_shard_in_dataset_names_the_shard(tmp_path):
 
 
 def test_dataset_index_out_of_range(tmp_path):
-    ds = native.open_dataset(make_dataset(tmp_path / "ds"))
-    with pytest.raises(native.ShardError, match="record index 50 .*holds 50 records"):
+    root = make_dataset(tmp_path / "ds")
+    ds = native.open_dataset(root)
+    with pytest.raises(native.ShardError, match="record index 50 .*holds 50 records") as info:
         ds.read([3, 50])
+    assert str(info.value).startswith(f"{root}:") and info.value.record == 50
 
 
 # ---- fuzz ------------------------------------------------------------------
