@@ -34,6 +34,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "lr": 0.05,  # learning rate at optim.base_batch; scaled linearly with the global batch
         "base_batch": 64,
         "warmup_steps": 10,  # linear warm-up to the scaled rate
+        "schedule": "constant",  # constant | cosine (decay to 0 over run.steps)
         "momentum": 0.9,
         "weight_decay": 0.0,
     },
@@ -43,8 +44,8 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "tune": True,  # HyperTune; false = equal batches (Horovod's default)
         "objective": "throughput",  # throughput | energy | mix
         "mix_weight": 0.5,  # weight of throughput in the mix objective
-        "benchmark_batches": [8, 32],  # batch sizes timed in the benchmark phase
-        "benchmark_repeats": 3,  # timed steps per batch size (the median counts)
+        "benchmark_batches": [8, 32, 64],  # batch sizes timed in the benchmark phase
+        "benchmark_repeats": 3,  # timed steps per batch size (the fastest counts)
         "retune_every": 5,  # share step times every N steps
         "imbalance_threshold": 0.25,  # re-tune when 1 - min/max step time exceeds this
         "min_gain": 0.1,  # ...and the new batches promise at least this relative gain
@@ -73,6 +74,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
 STANNIS_CHOICES: dict[str, tuple[str, ...]] = {
     "model.name": ("lenet", "vgg", "resnet"),
     "optim.name": ("sgd", "adam"),
+    "optim.schedule": ("constant", "cosine"),
     "stannis.objective": OBJECTIVES,
     "host.energy": SOURCES,
 }

@@ -288,6 +288,24 @@ def gain(current: Plan, candidate: Plan, objective: str = "throughput",
     return mix_weight * sps + (1 - mix_weight) * spj - 1.0
 
 
+def damp(old: Sequence[int], target: Sequence[int], alpha: float) -> tuple[int, ...]:
+    """Move ``alpha`` of the way from ``old`` to ``target`` batches, keeping their sum.
+
+    Used when the last re-tune overshot (a rank's batch changed direction):
+    a step model that is off in shape, not just in scale, would otherwise make
+    batch sizes swing back and forth. Each result lies between its old and
+    target value, so caps and minimums still hold.
+    """
+    if len(old) != len(target) or sum(old) != sum(target) or alpha >= 1.0:
+        return tuple(int(t) for t in target)
+    raw = [o + alpha * (t - o) for o, t in zip(old, target, strict=True)]
+    out = [math.floor(x) for x in raw]
+    left = sum(target) - sum(out)
+    for i in sorted(range(len(raw)), key=lambda i: out[i] - raw[i])[:left]:
+        out[i] += 1
+    return tuple(out)
+
+
 def should_retune(step_times: Sequence[float], threshold: float) -> bool:
     """True when the imbalance of the shared step times passes ``threshold``."""
     return imbalance(step_times) > threshold

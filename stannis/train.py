@@ -27,6 +27,7 @@ from .hypertune import (
     Plan,
     RankProfile,
     TuneError,
+    damp,
     evaluate,
     fit_step_model,
     gain,
@@ -130,6 +131,8 @@ class Trainer:
         self.batches: list[int] = []
         self.profiles: dict[int, RankProfile] = {}
         self.window: dict[int, deque[float]] = {}
+        self.last_change: list[int] = []
+        self.last_change_step = 0
         self.totals = {r: {"samples": 0, "joules": 0.0, "busy_s": 0.0} for r in self.members}
         self.step = 0
 
@@ -206,8 +209,9 @@ class Trainer:
         self._compute(max(sizes))  # warm-up: first calls allocate and are not typical
         row = np.zeros(len(sizes) * 2)
         for i, b in enumerate(sizes):
+            # The fastest repeat: noise (a busy core, a cache miss) only ever adds time.
             times = [self._compute(b)[0] for _ in range(s["benchmark_repeats"])]
-            row[2 * i], row[2 * i + 1] = b, float(np.median(times))
+            row[2 * i], row[2 * i + 1] = b, float(np.min(times))
         self.optimizer.zero_grad(set_to_none=True)
         table = np.zeros((self.comm.Get_size(), len(row))) if self.is_host else None
         self.comm.Gather(row, table, root=0)
@@ -272,9 +276,19 @@ class Trainer:
         better = gain(current, candidate, s["objective"], s["mix_weight"])
         for r in self.members:
             self.window[r].clear()  # judge the next decision on fresh steps only
-        if better > s["min_gain"]:
-            self._plan_batches(f"imbalance {level:.2f} > {s['imbalance_threshold']}, "
-                               f"predicted gain {better:.0%}", candidate)
+        if better <= s["min_gain"]:
+            return
+        target = candidate.batches
+        change = [t - b for t, b in zip(target, self.batches, strict=True)]
+        reason = f"imbalance {level:.2f} > {s['imbalance_threshold']}, predicted gain {better:.0%}"
+        recent = self.step - self.last_change_step <= 2 * s["retune_every"]
+        if recent and any(c * p < 0 for c, p in zip(change, self.last_change, strict=False)):
+            # The last move overshot: the step models are off in shape; go half way.
+            target = damp(self.batches, target, 0.5)
+            reason += ", damped"
+        self.last_change = [t - b for t, b in zip(target, self.batches, strict=True)]
+        self.last_change_step = self.step
+        self._plan_batches(reason, evaluate(fitted, target))
 
     # -- failures -----------------------------------------------------------------------
     def _recover(self, error: BaseException) -> None:
@@ -308,6 +322,7 @@ class Trainer:
                     f"step {self.step}: rank {r} died; dropped, its {self.records.get(r, 0)} "
                     "private samples are no longer trained on")
                 self.profiles.pop(r, None)
+            self.last_change = []
             self._plan_batches(f"ranks {dead} dropped")
         self._share_plan()
 
@@ -359,9 +374,11 @@ class Trainer:
         compute_s, loss_sum = self._compute(b)
         self.reducer.reset_counters()
         total = self.reducer.reduce(b)
+        lr = scaled_lr(o["lr"], o["base_batch"], int(total), index, o["warmup_steps"])
+        if o["schedule"] == "cosine":
+            lr *= 0.5 * (1.0 + math.cos(math.pi * index / steps))
         for group in self.optimizer.param_groups:
-            group["lr"] = scaled_lr(o["lr"], o["base_batch"], int(total), index,
-                                    o["warmup_steps"])
+            group["lr"] = lr
         self.optimizer.step()
         joules = self.meter.stop(compute_s)
         sent, recv = self.comm.take()

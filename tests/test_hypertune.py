@@ -10,6 +10,7 @@ from stannis.hypertune import (
     RankProfile,
     StepModel,
     TuneError,
+    damp,
     equalise,
     evaluate,
     fit_step_model,
@@ -193,3 +194,13 @@ def test_gain_per_objective() -> None:
     assert gain(tuned, tuned) == pytest.approx(0.0)
     assert gain(equal, tuned, "energy") > 0
     assert gain(equal, tuned, "mix", 0.5) > 0
+
+
+def test_damp_moves_part_way_and_keeps_the_sum() -> None:
+    assert damp((10, 10, 10), (4, 16, 10), 0.5) == (7, 13, 10)
+    out = damp((1, 70, 57), (66, 1, 61), 0.5)
+    assert sum(out) == 128
+    assert all(min(a, b) <= x <= max(a, b) for a, b, x in zip((1, 70, 57), (66, 1, 61), out,
+                                                            strict=True))
+    assert damp((10, 10), (4, 16), 1.0) == (4, 16)
+    assert damp((10, 10, 10), (15, 15), 0.5) == (15, 15)  # a rank was dropped: no damping

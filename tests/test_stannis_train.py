@@ -1,0 +1,130 @@
+"""`python -m stannis train` end to end under mpirun: accuracy, re-tune, ULFM drop, privacy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpipipe.models import build_model
+from mpipipe.runlog import open_log
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "jobs" / "configs" / "stannis-digits.toml"
+MPIRUN = Path(sys.executable).parent / "mpirun"
+ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+       "OMP_NUM_THREADS": "1", "OMPI_MCA_mpi_yield_when_idle": "1", "PYTHONPATH": str(ROOT)}
+
+pytestmark = pytest.mark.skipif(not MPIRUN.exists(), reason="mpirun not in the virtualenv")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("stannis")
+    subprocess.run([sys.executable, "-m", "stannis", "prepare", "--source", str(root / "digits"),
+                    "--out", str(root / "split"), "--csds", "4"],
+                   check=True, env=ENV, cwd=ROOT, timeout=120, capture_output=True)
+    return root / "split"
+
+
+def _train(data: Path, log: Path, *sets: str, inject: tuple[str, ...] = (), ulfm: bool = False,
+           n: int = 5, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [str(MPIRUN), "--oversubscribe"] + (["--with-ft", "ulfm"] if ulfm else []) + [
+        "-n", str(n), sys.executable, "-m", "stannis", "train", "--config", str(CONFIG),
+        "--log", str(log), "--set", f'data.path="{data}"',
+        # 1/2 speed keeps the test quick on two cores; the benchmark uses 1/8.
+        "--set", "csd.slowdown=2.0", "--set", "run.eval_every=0"]
+    for s in sets:
+        cmd += ["--set", s]
+    for spec in inject:
+        cmd += ["--inject", spec]
+    return subprocess.run(cmd, env=ENV, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def tuned_and_equal(data: Path, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("logs")
+    runs = {}
+    for tune in ("true", "false"):
+        log = out / f"tune-{tune}.h5"
+        _ok(_train(data, log, f"stannis.tune={tune}"))
+        runs[tune] = open_log(log)
+    return runs["true"], runs["false"]
+
+
+@pytest.mark.timeout(600)
+def test_tuned_batches_reach_95_percent_like_equal_batches(tuned_and_equal) -> None:
+    tuned, equal = tuned_and_equal
+    acc_tuned = float(tuned.eval["accuracy"][-1])
+    acc_equal = float(equal.eval["accuracy"][-1])
+    assert acc_tuned >= 0.95, acc_tuned
+    assert abs(acc_tuned - acc_equal) <= 0.01, (acc_tuned, acc_equal)
+    # Same number of steps and samples: the same number of epochs.
+    assert tuned.steps["samples"].sum() == equal.steps["samples"].sum()
+    # Tuned batches differ between host and CSDs; equal ones do not.
+    assert tuned.ranks[0]["batch_size"][-1] > tuned.ranks[1]["batch_size"][-1]
+    assert set(equal.ranks[0]["batch_size"]) == {26}
+    for run in (tuned, equal):
+        assert run.attrs["status"] == "completed"
+        emulation = json.loads(run.attrs["emulation"])
+        assert sorted(emulation) == ["1", "2", "3", "4"]
+        assert all(e["emulated"] and e["slowdown"] == 2.0 for e in emulation.values())
+        sources = {e["rank"]: e["detail"]["source"] for e in run.events_of("energy_source")}
+        assert sources[1] == "model"  # an emulated CSD never claims measured joules
+        for r in range(5):
+            assert (run.ranks[r]["joules"] > 0).all()
+
+
+@pytest.mark.timeout(600)
+def test_csds_send_only_gradients_and_control(tuned_and_equal) -> None:
+    tuned, _ = tuned_and_equal
+    summary = json.loads(tuned.attrs["summary"])
+    model = build_model("resnet", 10, (1, 8, 8))
+    grad_bytes = 4 * (sum(p.numel() for p in model.parameters()) + 1)  # + the weight slot
+    control_bytes = 8 * 8  # one row of eight float64 step figures
+    assert summary["grad_bytes"] == grad_bytes
+    assert summary["control_bytes"] == control_bytes
+    for r in range(1, 5):
+        sent = tuned.ranks[r]["bytes_sent"]
+        assert len(sent) == len(tuned.steps["step"])
+        assert (sent == grad_bytes + control_bytes).all(), (r, set(sent.tolist()))
+    # A private batch would be at least 256 bytes per sample on top of that.
+    assert tuned.ranks[1]["batch_size"].max() > 0
+
+
+@pytest.mark.timeout(300)
+def test_slow_csd_triggers_retune_and_killed_csd_is_dropped(data: Path, tmp_path: Path) -> None:
+    log = tmp_path / "faults.h5"
+    proc = _train(data, log, "run.steps=45",
+                  inject=("slow:rank=2:step=10:factor=8", "kill:rank=3:step=30"), ulfm=True)
+    _ok(proc)
+    run = open_log(log)
+    assert run.attrs["status"] == "completed"
+    assert int(run.steps["step"][-1]) == 45
+    slow_retunes = [e for e in run.events_of("retune")
+                    if 10 < e["step"] <= 30 and "imbalance" in e["detail"]["reason"]
+                    and e["detail"]["new"][2] < e["detail"]["old"][2]]
+    assert slow_retunes, [e for e in run.events if e["kind"] == "retune"]
+    dropped = run.events_of("csd_dropped")
+    assert [e["rank"] for e in dropped] == [3]
+    split = json.loads((data / "split.json").read_text())
+    assert dropped[0]["detail"]["samples_lost"] == split["records"]["csd3"]
+    after = [e for e in run.events_of("retune") if "dropped" in e["detail"]["reason"]]
+    assert after and len(after[0]["detail"]["new"]) == 4
+    assert sum(after[0]["detail"]["new"]) == 128  # survivors take over the global batch
+    assert len(run.ranks[3]["step"]) < 45 and len(run.ranks[4]["step"]) == 45
+
+
+@pytest.mark.timeout(120)
+def test_wrong_world_size_is_one_clear_error(data: Path, tmp_path: Path) -> None:
+    proc = _train(data, tmp_path / "x.h5", n=3, timeout=90)
+    assert proc.returncode != 0
+    assert "needs 5 ranks (1 host + 4 CSDs) but the MPI world has 3" in proc.stderr
