@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -23,11 +24,14 @@ KIND_NAMES = {ACT: "ACT", GRAD: "GRAD", LABEL: "LABEL", REPLICA: "REPLICA",
 GEN_BITS, KIND_BITS, STEP_BITS, MICRO_BITS = 5, 3, 12, 10
 TAG_BITS = GEN_BITS + KIND_BITS + STEP_BITS + MICRO_BITS
 
-# Back-off of a waiting rank: spin on Test for a few microseconds (a message that is
-# already on its way costs no sleep), then sleep from 20 us doubling to 1 ms, so that a
-# rank waiting on an oversubscribed machine yields its core to the rank doing the work.
-SPIN_S = 20e-6
-FIRST_SLEEP_S = 20e-6
+# Back-off of a waiting rank, in three phases: poll Test for SPIN_S (a message already on
+# its way costs nothing), then poll and sched_yield() until YIELD_S (another runnable
+# process on this core gets it, yet the wake-up is immediate), then sleep a tenth of the
+# time waited so far, at most MAX_SLEEP_S, so that a long wait costs almost no CPU on an
+# oversubscribed machine.
+SPIN_S = 50e-6
+YIELD_S = 2e-3
+FIRST_SLEEP_S = 50e-6
 MAX_SLEEP_S = 1e-3
 
 _FAILED_CLASSES = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
@@ -315,8 +319,9 @@ class Transport:
     def _pause(waited: float) -> None:
         if waited <= SPIN_S:
             return
-        # Sleep about a tenth of the time waited so far, within [FIRST_SLEEP_S, MAX_SLEEP_S]:
-        # short waits stay responsive, long waits cost nearly no CPU.
+        if waited <= YIELD_S:
+            os.sched_yield()
+            return
         time.sleep(min(MAX_SLEEP_S, max(FIRST_SLEEP_S, waited / 10)))
 
     @staticmethod
