@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import report, train
+from . import costmodel, report, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train.add_parser(sub)
-    # ---- cost: the communication-cost model registers here, e.g. `costmodel.add_parser(sub)` ----
+    costmodel.add_parser(sub)
     report.add_parser(sub)
     return parser
 

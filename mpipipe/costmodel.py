@@ -34,6 +34,7 @@ __all__ = [
     "predict",
     "lost_updates",
     "state_bytes",
+    "stage_shapes",
     "trade_off",
     "format_table",
     "MODES",
@@ -100,6 +101,31 @@ def state_bytes(param_bytes: int, n_tensors: int, optim: str, momentum: float = 
     if optim == "adam":
         return 2 * param_bytes + 4 * n_tensors
     raise ValueError(f"optimizer {optim!r}: replicas know sgd and adam")
+
+
+def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int], optim: str,
+                 momentum: float = 0.0) -> tuple[list[StageShape], int]:
+    """Each stage's activation and replica bytes, from a no-grad forward of one zero sample.
+
+    Returns the shapes and the bytes per sample of the model's input. ``partitions``
+    are the stages' ``nn.Sequential`` slices; replicas carry float32 parameters.
+    """
+    import torch
+
+    with torch.no_grad():
+        x = torch.zeros(1, *in_shape)
+        in_bytes = x.numel() * x.element_size()
+        out = []
+        for k, part in enumerate(partitions):
+            was = part.training
+            part.eval()
+            x = part(x)
+            part.train(was)
+            params = list(part.parameters())
+            pb = sum(p.numel() * p.element_size() for p in params)
+            act = x.numel() * x.element_size() if k < len(partitions) - 1 else 0
+            out.append(StageShape(act, pb, state_bytes(pb, len(params), optim, momentum)))
+    return out, in_bytes
 
 
 def lost_updates(replicate_every: int, mode: str) -> int:
@@ -206,3 +232,106 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths, strict=True)) for b in body]
     return "\n".join(lines)
+
+
+# -- `python -m mpipipe cost` ------------------------------------------------------------------
+
+def add_parser(subparsers: Any) -> Any:
+    """Register ``cost`` on the ``python -m mpipipe`` dispatcher."""
+    import argparse
+
+    parser = subparsers.add_parser(
+        "cost", help="print the communication cost of ResPipe against R (no MPI needed)",
+        description="Predict bytes per optimizer step for the plain pipeline and for ResPipe "
+                    "over a range of replication intervals R, in cold and hot modes, and the "
+                    "updates a takeover can lose. The model is built from the configuration.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration (jobs/configs/)")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="override one configuration key (repeatable)")
+    parser.add_argument("--r", metavar="R,R,...", default=",".join(map(str, DEFAULT_R)),
+                        help="replication intervals to tabulate (default: %(default)s)")
+    parser.add_argument("--modes", metavar="MODE,...", default="cold,hot,neighbour",
+                        help="modes to tabulate (default: %(default)s)")
+    parser.add_argument("--in-shape", metavar="C,H,W",
+                        help="input shape, if the data set is not there to read it from")
+    parser.add_argument("--json", action="store_true", help="one JSON line instead of a table")
+    parser.set_defaults(func=cost_main)
+    return parser
+
+
+def cost_main(args: Any) -> int:
+    """Body of ``python -m mpipipe cost``; exit status 2 on a configuration error."""
+    import json
+    import sys
+
+    from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, ConfigError, load_config
+    from .roles import PlanError, _backup_counts
+
+    prog = "mpipipe cost"
+    try:
+        cfg = load_config(args.config, args.set, PIPELINE_DEFAULTS, PIPELINE_CHOICES)
+        rs = [int(r) for r in args.r.split(",") if r.strip()]
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in MODES]
+        if bad or not rs or min(rs) < 1:
+            raise ConfigError(f"--modes must name {', '.join(MODES)} and --r positive integers")
+        k = cfg["pipeline"]["stages"]
+        backups = _backup_counts(cfg["resilience"]["backups"], k)
+        shapes, in_bytes, balance, note = _shapes_from_config(cfg, args.in_shape)
+    except (ConfigError, PlanError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    assumed = ""
+    if not backups:
+        backups = dict.fromkeys(range(k), 1)
+        assumed = " (none configured: assuming one per stage)"
+    batch = cfg["data"]["batch_size"]
+    label = 8 if k > 1 else 0
+    rows = trade_off(shapes, batch_size=batch, backups=backups, modes=modes, rs=rs,
+                     label_bytes=label, input_bytes=in_bytes)
+    if args.json:
+        print(json.dumps({"balance": balance, "backups": backups, "batch_size": batch,
+                          "rows": rows}))
+        return 0
+    print(f"{cfg['model']['name']} in {k} stages, balance {balance}{note}; batch {batch}; "
+          f"backups {backups}{assumed}")
+    print(format_table(rows))
+    print("bytes are payload per optimizer step, all ranks together; 'max lost updates' is "
+          "what a takeover can lose of the failed stage")
+    return 0
+
+
+def _shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None
+                        ) -> tuple[list[StageShape], int, list[int], str]:
+    """Build the model of ``cfg`` and cut it as the run would (by parameters when automatic)."""
+    import torch
+
+    from .models import build_model
+    from .partition import balance_by_params, check_balance, split
+
+    if in_shape_arg:
+        in_shape = tuple(int(v) for v in in_shape_arg.split(","))
+        if len(in_shape) != 3:
+            raise ValueError(f"--in-shape {in_shape_arg!r}: give C,H,W, e.g. 1,8,8")
+    else:
+        from . import data
+
+        try:
+            in_shape = data.image_shape(cfg["data"]["path"])
+        except data.DataError as e:
+            raise ValueError(f"{e} (or pass --in-shape C,H,W)") from None
+    torch.manual_seed(cfg["run"]["seed"])
+    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], in_shape)
+    k = cfg["pipeline"]["stages"]
+    note = ""
+    if cfg["pipeline"]["balance"]:
+        balance = check_balance(model, cfg["pipeline"]["balance"])
+    else:
+        balance = balance_by_params(model, k)
+        if cfg["pipeline"]["balance_by"] == "time":
+            note = " (by parameters; the run balances by measured time and may cut elsewhere)"
+    o = cfg["optim"]
+    momentum = float(o.get("momentum", 0.0)) if o["name"] == "sgd" else 0.0
+    shapes, in_bytes = stage_shapes(split(model, balance), in_shape, o["name"], momentum)
+    return shapes, in_bytes, balance, note

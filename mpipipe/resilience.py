@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from . import ft
-from .costmodel import StageShape, predict, state_bytes
+from .costmodel import predict, stage_shapes, state_bytes
 from .inject import Fault, FaultPlan
 from .pipeline import SHADOW_GRAD_MICRO, Pipeline, Route
 from .transport import REPLICA, SHADOW, Late, PeerFailed
@@ -51,7 +51,6 @@ __all__ = [
     "pack_state",
     "unpack_state",
     "replica_numel",
-    "stage_shapes",
     "SHADOW_GRAD_MICRO",
 ]
 
@@ -192,24 +191,6 @@ def unpack_state(flat: torch.Tensor, params: Sequence[torch.Tensor],
                     pos += 1
 
 
-def stage_shapes(pipe: Pipeline, in_shape: Sequence[int], optim: str,
-                 momentum: float) -> tuple[list[StageShape], int]:
-    """The cost model's view of ``pipe``: per-stage activation and replica bytes, input bytes."""
-    shapes = pipe.boundary_shapes(in_shape)
-
-    def nbytes(i: int) -> int:
-        shape, dtype = shapes[i]
-        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-
-    out = []
-    for k, part in enumerate(pipe.partitions):
-        params = list(part.parameters())
-        pb = 4 * sum(p.numel() for p in params)
-        act = nbytes(k + 1) if k < pipe.k - 1 else 0
-        out.append(StageShape(act, pb, state_bytes(pb, len(params), optim, momentum)))
-    return out, nbytes(0)
-
-
 # -- the control plane -----------------------------------------------------------------------
 
 def _ctl_tag(code: int, seq: int = 0) -> int:
@@ -320,6 +301,7 @@ class ResPipe:
         comm: Any = None,
         in_shape: Sequence[int] | None = None,
         out: Any = None,
+        checkpoint_dir: Any = None,
     ) -> None:
         from mpi4py import MPI
 
@@ -370,6 +352,10 @@ class ResPipe:
         self.events: list[tuple[str, dict[str, Any]]] = []  # what rank 0 logged (for tests)
         self.last_eval: float = math.nan
         self.finished = False
+        self.checkpoint_dir = checkpoint_dir
+        self.last_loss = math.nan
+        self.takeovers = 0
+        self._last_row_time: float | None = None
         self._early: dict[int, np.ndarray] = {}
         self._gen_step = 0  # the step the current generation started at
         self._rebind_pipe()
@@ -517,7 +503,8 @@ class ResPipe:
         self._finish()
         elapsed = time.time() - t_start
         return {"steps": self.done, "elapsed_s": elapsed, "generation": self.gen,
-                "accuracy": self.last_eval}
+                "accuracy": self.last_eval, "loss": self.last_loss,
+                "takeovers": self.takeovers}
 
     def _round_from(self, e: Exception) -> _Round:
         now = time.time()
@@ -541,6 +528,10 @@ class ResPipe:
         if self._demoted():
             raise Demoted(self.gen + 1)
 
+    def _rollback_possible(self) -> bool:
+        """A takeover can roll this stage back one step only if some stage has a replica."""
+        return any(self._holders_of(k) for k in range(self.pipe.k))
+
     def _demoted(self) -> bool:
         """True if a round of this generation left this rank out (it was late)."""
         return any(self.control.poll(_DEMOTED, self._drank(w), seq=self.gen) is not None
@@ -556,8 +547,9 @@ class ResPipe:
         x, y = self.batch_of(s)
         if _DEBUG and self.gen and s <= self._gen_step + 1:
             self._say(f"step {s} start at {time.time() % 100:.3f}, data {time.perf_counter() - ta:.3f}")
-        self.snapshot = _Slot(pack_state(self._params(self.stage), opt, self.optim, self.momentum),
-                              self.done)
+        if self._rollback_possible():
+            self.snapshot = _Slot(pack_state(self._params(self.stage), opt, self.optim,
+                                             self.momentum), self.done)
         pipe.deadline = self._deadline()
         t0 = time.perf_counter()
         pipe.transport.reset_counters()
@@ -577,10 +569,26 @@ class ResPipe:
         figs = [s, time.time(), math.nan if loss is None else loss, pipe.last_compute_s,
                 t.wait_s, t.total_sent, t.total_recv, self.wrank]
         self._report(s, figs)
-        if self.eval_every and (self.done % self.eval_every == 0 or self.done == self.total):
+        if self.done == self.total or (self.eval_every and self.done % self.eval_every == 0):
             self._evaluate()
-        elif self.done == self.total:
-            self._evaluate()
+        every = int(self.cfg["run"].get("checkpoint_every", 0))
+        if self.checkpoint_dir is not None and (
+                self.done == self.total or (every and self.done % every == 0)):
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """This stage writes its own file (atomically); no barrier, so no rank can hang on it."""
+        from . import checkpoint
+
+        assert self.stage is not None
+        checkpoint.save_stage(self.checkpoint_dir, step=self.done, stage=self.stage,
+                              balance=self.pipe.balance, module=self.pipe.partitions[self.stage],
+                              optimizer=self.optimizer if isinstance(
+                                  self.optimizer, torch.optim.Optimizer) else None,
+                              eval_count=self.pipe.eval_count)
+        if self.is_logger:
+            self._log_event("checkpoint", self.done, self.wrank,
+                            directory=str(self.checkpoint_dir))
 
     def _replicate(self) -> None:
         """Send this stage's replica to its holders every R steps (and take the ward's)."""
@@ -628,11 +636,11 @@ class ResPipe:
         return {"compute_s": float(figs[3]), "wait_s": float(figs[4]),
                 "bytes_sent": int(figs[5]), "bytes_recv": int(figs[6])}
 
-    def _collect_figs(self, s: int, wait_s: float) -> None:
+    def _collect_figs(self, s: int, wait_s: float, alive: Sequence[int] | None = None) -> None:
         row = self.pending_rows[s]
         if s < self._gen_step:
-            wait_s = 0.0  # the route changed since: a rank of the row may be gone
-        want = [w for w in self.route_w if w != self.wrank]
+            return  # collected before the route changed (figures travel per generation)
+        want = [w for w in self.route_w if w != self.wrank and (alive is None or w in alive)]
         end = time.perf_counter() + wait_s
         while True:
             for w in want:
@@ -652,12 +660,16 @@ class ResPipe:
     def _write_row(self, s: int) -> None:
         self._collect_figs(s, 0.5)
         row = self.pending_rows.pop(s)
+        prev, self._last_row_time = self._last_row_time, row.time
+        dt = row.time - prev if prev is not None else (
+            statistics.median(self.step_times) if self.step_times else math.nan)
+        rate = row.samples / dt if dt > 0 else math.nan
+        self.last_loss = row.loss
         if self.log is not None:
-            rate = row.samples / statistics.median(self.step_times) if self.step_times else 0.0
             self.log.step(s + 1, time=self._rel(row.time), loss=row.loss, samples=row.samples,
                           samples_per_s=rate, ranks=row.ranks)
         if self.progress is not None:
-            self.progress.update(s + 1, loss=row.loss)
+            self.progress.update(s + 1, loss=row.loss, samples_per_s=rate)
 
     def _close_open_events(self, t_done: float) -> None:
         for ev in self.open_events:
@@ -701,7 +713,8 @@ class ResPipe:
 
     def _log_cost_model(self) -> None:
         try:
-            shapes, in_bytes = stage_shapes(self.pipe, self.in_shape, self.optim, self.momentum)
+            shapes, in_bytes = stage_shapes(self.pipe.partitions, self.in_shape, self.optim,
+                                            self.momentum)
         except Exception:  # noqa: BLE001 - shapes unknown: the log just lacks the prediction
             return
         s = self.settings
@@ -989,6 +1002,10 @@ class ResPipe:
             ft.agree(new, 1)
         t_comm = time.time()
         del old_data  # never freed: a demoted rank may still post to it
+        if self.is_logger:
+            # Figures of steps before the round travel on the old control communicator.
+            for s in sorted(self.pending_rows):
+                self._collect_figs(s, 0.2, alive=d["members"])
         self.data, self.control, self.members = new, _Control(ctl), members_new
         self.gen = d["gen"]
         P = d["P"]
@@ -1048,6 +1065,11 @@ class ResPipe:
                                 detected_after_s=detected_after,
                                 agreement_s=t_comm - d["t_detect"], mode=self.settings.mode)
                 self.open_events.append(ev)
+                if self.progress is not None:
+                    self.progress.message(
+                        f"takeover: stage {k} ({d['reason']} rank {stage_before[k]}) now served "
+                        f"by rank {w_new}, generation {self.gen}, replaying step {P + 1}")
+        self.takeovers += len(lost_stages)
         self._resync(P)
         if _DEBUG:
             self._say(f"applied at {time.time() % 100:.3f}")
@@ -1150,3 +1172,115 @@ def needed(cfg: Mapping[str, Any]) -> bool:
     """True when the run needs resilience: backups, injected faults, or ULFM on."""
     sec = cfg["resilience"]
     return bool(sec.get("backups")) or bool(sec.get("inject")) or ft.ulfm_enabled()
+
+
+class _NoParams:
+    """The optimizer of a stage without parameters (only ReLU or pooling layers)."""
+
+    state: dict = {}
+
+    def step(self) -> None:
+        return None
+
+
+def _eval_fn(cfg: Mapping[str, Any], eval_batches: int
+             ) -> Callable[[Pipeline], tuple[int, int] | None]:
+    """A forward-only pass over the test split; (correct, count) on the last stage."""
+    from . import data
+
+    path, bs = cfg["data"]["path"], cfg["data"]["batch_size"]
+
+    def evaluate(pipe: Pipeline) -> tuple[int, int] | None:
+        correct = count = 0
+        result = None
+        if pipe.first:
+            batches: Iterable[tuple[Any, Any]] = data.test_batches(path, bs)
+        else:
+            batches = ((None, None) for _ in range(eval_batches))
+        for x, y in batches:
+            r = pipe.evaluate(x, y if (pipe.first or pipe.last) else None)
+            if r is not None:
+                correct, count = correct + r[0], count + r[1]
+                result = (correct, count)
+        return result
+
+    return evaluate
+
+
+def train(run: Any) -> int:
+    """`python -m mpipipe train` with ResPipe: the resilient loop on every rank; exit status.
+
+    Builds the same model, pipeline and data as the plain loop (mpipipe.train.setup),
+    then hands the steps to :class:`ResPipe`. A stage lost with no backup stops every
+    survivor with one error line naming the stage (exit 2) and a closed, readable log.
+    """
+    from . import data
+    from . import train as plain
+
+    if run.args.resume:
+        run.fail("--resume with ResPipe is not supported: backups would start without the "
+                 "stages' state; resume with the plain pipeline (no backups)")
+    s = plain.setup(run)
+    cfg, log, progress = run.cfg, run.log, run.progress
+    try:
+        Settings.from_config(cfg, s.pipe.k)
+    except ValueError as e:
+        run.fail(e)
+    if run.rank == 0:
+        progress.message(ft.startup_note())
+    reader: list[Any] = []
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        if not reader:
+            reader.append(data.TrainBatches(cfg["data"]["path"], cfg["data"]["batch_size"],
+                                            seed=cfg["run"]["seed"],
+                                            shuffle=cfg["data"]["shuffle"],
+                                            drop_last=cfg["data"]["drop_last"]))
+        return reader[0].next()
+
+    def make_opt(params: Iterable[nn.Parameter]) -> Any:
+        return plain.make_optimizer(cfg, list(params)) or _NoParams()
+
+    rp = ResPipe(cfg=cfg, plan=run.plan, pipe=s.pipe, make_optimizer=make_opt,
+                 loss_fn=s.loss_fn, batch_of=BatchCache(next_batch),
+                 evaluate=_eval_fn(cfg, s.eval_batches), log=log,
+                 progress=progress if run.rank == 0 else None, comm=run.comm,
+                 in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir)
+    t0 = time.perf_counter()
+    try:
+        result = rp.train(s.total_steps, cfg["run"]["eval_every"])
+    except StageLost as e:
+        if log.active:
+            log.close(f"failed: {e}")
+        if rp.members and rp.wrank == rp.members[0]:
+            print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
+        try:
+            rp.data.Barrier()  # the log is closed before any survivor exits
+        except Exception:  # noqa: BLE001 - a further failure: exit anyway
+            pass
+        return 2
+    except Demoted as e:
+        print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
+              f"the job without sending anything", file=sys.stderr, flush=True)
+        if log.active:
+            log.close(f"failed: rank 0 was replaced ({e})")
+        return 0
+    elapsed = time.perf_counter() - t0
+    if log.active:
+        batch = cfg["data"]["batch_size"]
+        summary = {
+            "steps": result["steps"],
+            "samples_per_s": result["steps"] * batch / elapsed if elapsed > 0 else math.nan,
+            "final_loss": result["loss"],
+            "test_accuracy": result["accuracy"],
+            "takeovers": result["takeovers"],
+            "log": str(log.path),
+        }
+        log.set_attr("summary", summary)
+        shown = progress if progress.enabled else None
+        if shown is None:
+            from .progress import Progress
+            shown = Progress(1, enabled=True, prog=run.prog)
+        shown.summary(**summary)
+        log.close("completed")
+    return 0

@@ -362,12 +362,20 @@ def train(run: Run) -> int:
     return 0
 
 
+def _ulfm() -> bool:
+    from .ft import ulfm_enabled
+
+    return ulfm_enabled()
+
+
 def main(args: argparse.Namespace) -> int:
     """Body of `python -m mpipipe train`: set up the run, then train (plain or ResPipe)."""
     run = start_run(args, prog=PROG, system="mpipipe", defaults=PIPELINE_DEFAULTS,
                     choices=PIPELINE_CHOICES, build_plan=pipeline_plan)
-    if run.plan.ranks_of("backup"):
-        # ResPipe: ranks with backup roles exist, so the resilient loop drives the job.
+    if run.plan.ranks_of("backup") or run.cfg["resilience"]["inject"] or _ulfm():
+        # ResPipe: backup ranks exist, faults are injected, or ULFM can report a dead
+        # stage: the resilient loop drives the job (without backups it stops cleanly,
+        # naming the lost stage).
         try:
             from . import resilience
         except ImportError:
