@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -602,6 +604,8 @@ static int validate(shard_t *s, shard_err_t *err)
     return SHARD_OK;
 }
 
+static int validate_guarded(shard_t *s, shard_err_t *err);
+
 shard_t *shard_open(const char *path, int verify, shard_err_t *err)
 {
     clear(err);
@@ -651,7 +655,7 @@ shard_t *shard_open(const char *path, int verify, shard_err_t *err)
         goto bad;
     }
     s->base = m;
-    if (validate(s, err))
+    if (validate_guarded(s, err))
         goto bad;
     if (verify == SHARD_VERIFY_FIRST) {
         s->checked = calloc((size_t)s->count, 1);
@@ -698,9 +702,8 @@ static int check_record(shard_t *s, uint64_t r, shard_err_t *err)
     return SHARD_OK;
 }
 
-int shard_verify_all(shard_t *s, shard_err_t *err)
+static int verify_all_impl(shard_t *s, shard_err_t *err)
 {
-    clear(err);
     advise(s, s->data_offset, s->index_offset, MADV_SEQUENTIAL);
     for (uint64_t r = 0; r < s->count; r++) {
         int rc = check_record(s, r, err);
@@ -713,22 +716,21 @@ int shard_verify_all(shard_t *s, shard_err_t *err)
     return SHARD_OK;
 }
 
-int shard_file_crc(shard_t *s, uint32_t *crc, shard_err_t *err)
+static int file_crc_impl(shard_t *s, uint32_t *crc, shard_err_t *err)
 {
-    clear(err);
+    (void)err;
     *crc = shard_crc32c(0, s->base, (size_t)s->size);
     return SHARD_OK;
 }
 
-int shard_prefetch(shard_t *s, const int64_t *idx, size_t n, shard_err_t *err)
+static int prefetch_impl(shard_t *s, const int64_t *idx, size_t n, shard_err_t *err)
 {
-    clear(err);
     for (size_t k = 0; k < n; k++) {
         if (idx[k] < 0 || (uint64_t)idx[k] >= s->count)
             return fail(err, SHARD_E_RANGE, idx[k], -1,
                         "%s: prefetch of record %lld: out of range for %llu records", s->path,
                         (long long)idx[k], (unsigned long long)s->count);
-        uint64_t off = rd64(entry(s, (uint64_t)idx[k]));
+        uint64_t off = record_at(s, (uint64_t)idx[k]);
         advise(s, off, off + s->record_size, MADV_WILLNEED);
     }
     return SHARD_OK;
@@ -868,8 +870,8 @@ static void advise_after(shard_t *s, int64_t first, int64_t last, int in_order, 
             s->sequential = 1;
             advise(s, s->data_offset, s->index_offset, MADV_SEQUENTIAL);
         }
-        uint64_t lo = rd64(entry(s, (uint64_t)first));
-        uint64_t hi = rd64(entry(s, (uint64_t)last)) + s->record_size;
+        uint64_t lo = record_at(s, (uint64_t)first);
+        uint64_t hi = record_at(s, (uint64_t)last) + s->record_size;
         if (s->readahead)
             advise(s, hi, hi + s->readahead < s->index_offset ? hi + s->readahead
                                                               : s->index_offset,
@@ -900,11 +902,10 @@ static void advise_after(shard_t *s, int64_t first, int64_t last, int in_order, 
     }
 }
 
-int shard_gather(shard_t *const *shards, const uint64_t *starts, size_t n_shards,
-                 uint64_t total, const int64_t *idx, size_t n, void *const *outs,
-                 shard_err_t *err)
+static int gather_impl(shard_t *const *shards, const uint64_t *starts, size_t n_shards,
+                       uint64_t total, const int64_t *idx, size_t n, void *const *outs,
+                       shard_err_t *err)
 {
-    clear(err);
     if (n_shards == 0 || !shards || !starts)
         return fail(err, SHARD_E_ARG, -1, -1, "gather: no shards");
     if (n == 0)
@@ -1285,5 +1286,135 @@ int shard_writer_close(shard_writer_t *w, shard_err_t *err)
     (void)fsync_dir(w->path);
 out:
     shard_writer_abort(w);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* SIGBUS guard                                                              */
+/*                                                                           */
+/* Open checks prove every offset lies inside the file, but another program  */
+/* can still truncate the file while it is mapped; touching a lost page then */
+/* raises SIGBUS, which would kill the process. Reads therefore run under a  */
+/* per-thread jump buffer: the handler jumps back and the read fails with a  */
+/* ShardError. Faults outside a guarded read go to the previous handler.     */
+
+static _Thread_local sigjmp_buf *bus_env;
+static _Thread_local const void *bus_addr;
+static struct sigaction bus_prev;
+static int bus_installed;
+
+static void on_sigbus(int sig, siginfo_t *info, void *ctx)
+{
+    sigjmp_buf *env = bus_env;
+    if (env) {
+        bus_env = NULL;
+        bus_addr = info ? info->si_addr : NULL;
+        siglongjmp(*env, 1);
+    }
+    if (bus_prev.sa_flags & SA_SIGINFO) {
+        bus_prev.sa_sigaction(sig, info, ctx);
+    } else if (bus_prev.sa_handler != SIG_DFL && bus_prev.sa_handler != SIG_IGN) {
+        bus_prev.sa_handler(sig);
+    } else {
+        /* Default action: restore it and return; the faulting access repeats and kills. */
+        sigaction(SIGBUS, &bus_prev, NULL);
+    }
+}
+
+static void install_bus_guard(void)
+{
+    if (__atomic_exchange_n(&bus_installed, 1, __ATOMIC_ACQ_REL))
+        return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &bus_prev);
+}
+
+static int bus_error(shard_t *const *shards, size_t n_shards, shard_err_t *err)
+{
+    const unsigned char *a = bus_addr;
+    for (size_t q = 0; q < n_shards; q++) {
+        const shard_t *s = shards[q];
+        if (a >= s->base && a < s->base + s->size) {
+            struct stat st;
+            long long now = fstat(s->fd, &st) == 0 ? (long long)st.st_size : -1;
+            return fail(err, SHARD_E_TRUNCATED, -1, (int64_t)(a - s->base),
+                        "%s: truncated while in use: byte %lld is gone (the file was %llu bytes "
+                        "when opened, %lld now); another program shortened or rewrote it in "
+                        "place; restore it and re-open",
+                        s->path, (long long)(a - s->base), (unsigned long long)s->size, now);
+        }
+    }
+    return fail(err, SHARD_E_TRUNCATED, -1, -1,
+                "%s: truncated while in use (SIGBUS reading the mapping); restore it and re-open",
+                n_shards ? shards[0]->path : "shard");
+}
+
+int shard_gather(shard_t *const *shards, const uint64_t *starts, size_t n_shards,
+                 uint64_t total, const int64_t *idx, size_t n, void *const *outs,
+                 shard_err_t *err)
+{
+    sigjmp_buf env;
+    clear(err);
+    install_bus_guard();
+    if (sigsetjmp(env, 0)) /* SA_NODEFER: no signal mask to restore */
+        return bus_error(shards, n_shards, err);
+    bus_env = &env;
+    int rc = gather_impl(shards, starts, n_shards, total, idx, n, outs, err);
+    bus_env = NULL;
+    return rc;
+}
+
+int shard_verify_all(shard_t *s, shard_err_t *err)
+{
+    sigjmp_buf env;
+    clear(err);
+    install_bus_guard();
+    if (sigsetjmp(env, 0))
+        return bus_error(&s, 1, err);
+    bus_env = &env;
+    int rc = verify_all_impl(s, err);
+    bus_env = NULL;
+    return rc;
+}
+
+int shard_file_crc(shard_t *s, uint32_t *crc, shard_err_t *err)
+{
+    sigjmp_buf env;
+    clear(err);
+    install_bus_guard();
+    if (sigsetjmp(env, 0))
+        return bus_error(&s, 1, err);
+    bus_env = &env;
+    int rc = file_crc_impl(s, crc, err);
+    bus_env = NULL;
+    return rc;
+}
+
+static int validate_guarded(shard_t *s, shard_err_t *err)
+{
+    sigjmp_buf env;
+    install_bus_guard();
+    if (sigsetjmp(env, 0))
+        return bus_error(&s, 1, err);
+    bus_env = &env;
+    int rc = validate(s, err);
+    bus_env = NULL;
+    return rc;
+}
+
+int shard_prefetch(shard_t *s, const int64_t *idx, size_t n, shard_err_t *err)
+{
+    sigjmp_buf env;
+    clear(err);
+    install_bus_guard();
+    if (sigsetjmp(env, 0))
+        return bus_error(&s, 1, err);
+    bus_env = &env;
+    int rc = prefetch_impl(s, idx, n, err);
+    bus_env = NULL;
     return rc;
 }

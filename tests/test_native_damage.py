@@ -358,3 +358,23 @@ def test_fuzz_copy_of_dataset_directory_survives(tmp_path):
     root = make_dataset(tmp_path / "a")
     shutil.copytree(root, tmp_path / "b")
     assert len(native.open_dataset(tmp_path / "b")) == 50
+
+
+def test_file_truncated_while_mapped(tmp_path):
+    """Another program shortens the file in place while a reader has it mapped: the
+    lost pages raise SIGBUS, which the reader turns into a ShardError, not a crash."""
+    path = tmp_path / "shrink.shard"
+    n = 40000  # about 2.2 MB
+    with native.ShardWriter(path, SCHEMA) as w:
+        w.write(records(n))
+    r = native.ShardReader(path, verify="never")
+    import os
+
+    os.truncate(path, 100_000)
+    assert r.read([0, 1])["label"].tolist() == [0, 1]
+    with pytest.raises(native.ShardError, match="truncated while in use") as info:
+        r.read([0, n - 1])
+    assert str(path) in str(info.value) and info.value.offset >= 100_000
+    with pytest.raises(native.ShardError, match="truncated while in use"):
+        r.verify()
+    assert r.read([2])["label"].tolist() == [2]

@@ -598,6 +598,36 @@ static void test_advice(void)
     shard_close(s);
 }
 
+static void test_shrink(void)
+{
+    shard_err_t err;
+    char path[512];
+    CHECK(make_shard("shrink.shard", 0, 40000) == 0); /* about 2.2 MB */
+    shard_t *s = open_named("shrink.shard", 0, &err);
+    CHECK(s != NULL);
+    if (!s)
+        return;
+    path_of(path, "shrink.shard");
+    CHECK(truncate(path, 100000) == 0); /* another program shortens it in place */
+    unsigned char img[2 * IMG];
+    int64_t lab[2];
+    void *outs[2] = {img, lab};
+    uint64_t start = 0;
+    int64_t idx[2] = {0, 39999};
+    CHECK(shard_gather(&s, &start, 1, 40000, idx, 1, outs, &err) == SHARD_OK);
+    CHECK(batch_ok(img, lab, idx, 1, 0));
+    CHECK(shard_gather(&s, &start, 1, 40000, idx, 2, outs, &err) == SHARD_E_TRUNCATED);
+    CHECK(strstr(err.msg, "shrink.shard") && strstr(err.msg, "truncated while in use"));
+    CHECK(err.offset >= 100000);
+    CHECK(shard_verify_all(s, &err) == SHARD_E_TRUNCATED);
+    uint32_t crc;
+    CHECK(shard_file_crc(s, &crc, &err) == SHARD_E_TRUNCATED);
+    /* Still usable for what is left, and later faults are caught again. */
+    CHECK(shard_gather(&s, &start, 1, 40000, idx, 1, outs, &err) == SHARD_OK);
+    CHECK(shard_gather(&s, &start, 1, 40000, idx + 1, 1, outs, &err) == SHARD_E_TRUNCATED);
+    shard_close(s);
+}
+
 static void cleanup(void)
 {
     DIR *d = opendir(dir);
@@ -622,7 +652,8 @@ int main(int argc, char **argv)
     } groups[] = {{"crc32c", test_crc32c},       {"layout", test_layout},
                   {"roundtrip", test_roundtrip}, {"multishard", test_multishard},
                   {"writer", test_writer},       {"damage", test_damage},
-                  {"range", test_range},         {"advice", test_advice}};
+                  {"range", test_range},         {"advice", test_advice},
+                  {"shrink", test_shrink}};
     const char *tmp = getenv("TMPDIR");
     snprintf(dir, sizeof dir, "%s/shardtest-XXXXXX", tmp && *tmp ? tmp : "/tmp");
     if (!mkdtemp(dir)) {
