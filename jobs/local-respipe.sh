@@ -5,8 +5,9 @@
 # Usage, from anywhere:
 #   jobs/local-respipe.sh [-n RANKS] [CONFIG] [--set section.key=value ...] [--inject SPEC ...]
 #
-# CONFIG defaults to jobs/configs/respipe-digits.toml (3 stages and 1 backup:
-# 4 ranks); RANKS must match the stages and backups the config asks for.
+# CONFIG defaults to jobs/configs/respipe-digits.toml (3 stages and a backup
+# of each: 6 ranks); RANKS must equal the stages plus the backups, e.g.
+#   jobs/local-respipe.sh -n 4 --set 'resilience.backups={1=1}' --inject kill:stage=1:step=200
 # The HDF5 log goes to runs/local-<time>/respipe.h5. The environment is the
 # project's .venv, or the virtual environment named by MPIPIPE_VENV. More
 # ranks than cores are fine: each rank gets one thread and waiting ranks
@@ -21,7 +22,7 @@ if [[ ! -x $VENV/bin/python || ! -x $VENV/bin/mpirun ]]; then
     exit 2
 fi
 
-RANKS=4
+RANKS=6
 if [[ ${1:-} == -n ]]; then
     [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "local-respipe.sh: error: -n needs a number of ranks" >&2; exit 2; }
     RANKS=$2

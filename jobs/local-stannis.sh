@@ -6,7 +6,8 @@
 #   jobs/local-stannis.sh [-n RANKS] [CONFIG] [--set section.key=value ...] [--inject SPEC ...]
 #
 # CONFIG defaults to jobs/configs/stannis-digits.toml (a host and 4 emulated
-# CSDs: 5 ranks); RANKS must match the ranks the config asks for. The HDF5
+# CSDs: 5 ranks); RANKS must equal 1 + stannis.csds. Make the demo data first
+# with `python -m stannis prepare`. The HDF5
 # log goes to runs/local-<time>/stannis.h5. The environment is the project's
 # .venv, or the virtual environment named by MPIPIPE_VENV. More ranks than
 # cores are fine: each rank gets one thread and waiting ranks yield.

@@ -32,11 +32,12 @@ SMOKE=${SLURM_TEST_SMOKE:-0}
 # Small runs: the expected step counts are checked in the HDF5 logs.
 RESPIPE_STEPS=${RESPIPE_STEPS:-30}
 STANNIS_STEPS=${STANNIS_STEPS:-20}
-RESPIPE_ARGS=(jobs/configs/respipe-digits.toml
-              --set "run.steps=$RESPIPE_STEPS"
-              --inject "kill:stage=1:step=10")
-STANNIS_ARGS=(jobs/configs/stannis-digits.toml
-              --set "run.steps=$STANNIS_STEPS")
+# ResPipe: 3 stages and one backup of stage 1 (4 tasks); stage 1 is killed.
+RESPIPE_ARGS=(--ntasks=4 "$RESPIPE_SBATCH" jobs/configs/respipe-digits.toml
+              --set "run.steps=$RESPIPE_STEPS" --set "resilience.backups={1=1}"
+              --inject "kill:stage=1:step=10" --quiet)
+STANNIS_ARGS=("$STANNIS_SBATCH" jobs/configs/stannis-digits.toml
+              --set "run.steps=$STANNIS_STEPS" --quiet)
 
 T0=$(date +%s)
 say() { printf '[test-slurm %4ds] %s\n' "$(($(date +%s) - T0))" "$*"; }
@@ -203,10 +204,10 @@ submit() {  # submit SBATCH-ARGS... -> job id (in a subshell: the caller records
 # One after the other: two cores cannot run both without making ResPipe's
 # deadlines fire for the wrong reason.
 declare -A EXPECT=()
-RESPIPE_JOB=$(submit "$RESPIPE_SBATCH" "${RESPIPE_ARGS[@]}")
+RESPIPE_JOB=$(submit "${RESPIPE_ARGS[@]}")
 JOBS=("$RESPIPE_JOB")
 EXPECT[$RESPIPE_JOB]=COMPLETED
-STANNIS_JOB=$(submit --dependency="afterany:$RESPIPE_JOB" "$STANNIS_SBATCH" "${STANNIS_ARGS[@]}")
+STANNIS_JOB=$(submit --dependency="afterany:$RESPIPE_JOB" "${STANNIS_ARGS[@]}")
 JOBS+=("$STANNIS_JOB")
 EXPECT[$STANNIS_JOB]=COMPLETED
 say "submitted respipe job $RESPIPE_JOB and stannis job $STANNIS_JOB"
