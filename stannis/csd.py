@@ -72,11 +72,12 @@ class Stretch:
         """Stretch a step whose compute took ``cpu_s`` of CPU and ``wall_s`` so far.
 
         Sleeps until ``factor * cpu_s`` of wall time has passed (nothing if the
-        step already took that long) and returns ``factor * cpu_s``: the compute
-        time of the emulated device, which the tuner balances.
+        step already took that long) and returns the compute's wall time after
+        stretching. That is what the tuner balances: on a shared machine a rank
+        that waits for a core is slower, and the step waits for it all the same.
         """
         target = self.factor * max(cpu_s, 0.0)
         wall = cpu_s if wall_s is None else wall_s
         if target > wall:
             self._sleep(target - wall)
-        return target
+        return max(target, wall)

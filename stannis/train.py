@@ -189,7 +189,8 @@ class Trainer:
     def _compute(self, b: int) -> tuple[float, float]:
         """Forward and backward on ``b`` local samples; returns (device seconds, loss sum).
 
-        Device seconds are CPU seconds times the emulated slow-down (see csd.py).
+        Device seconds: wall time, and at least CPU time times the emulated slow-down
+        (see csd.py).
         """
         t0 = time.perf_counter()
         c0 = time.thread_time()
