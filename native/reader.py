@@ -233,7 +233,11 @@ class Dataset(_Records):
         self._args = {"verify": verify, "release_bytes": release_bytes, "readahead_bytes": readahead_bytes}
         name = str(self.directory)
         self.manifest = _load_manifest(self.directory)
-        self.schema = parse_schema(self.manifest["schema"])
+        try:
+            self.schema = parse_schema(self.manifest["schema"])
+        except ShardError as exc:
+            mpath = str(self.directory / MANIFEST)
+            raise ShardError(f"{mpath}: {exc}", path=mpath) from None
         self._init_fields()
         entries = self.manifest["shards"]
         shards = []
@@ -259,8 +263,13 @@ class Dataset(_Records):
     def _open_shard(self, i: int, entry: Mapping[str, Any], verify: str) -> Any:
         mpath = self.directory / MANIFEST
         try:
-            fname, records, size = entry["file"], int(entry["records"]), int(entry["bytes"])
-            int(str(entry["crc32c"]), 16)
+            fname, records, size = entry["file"], entry["records"], entry["bytes"]
+            if not all(type(v) is int and v >= 0 for v in (records, size)):
+                raise ValueError("records and bytes must be non-negative integers")
+            crc = entry["crc32c"]
+            if not isinstance(crc, str) or len(crc) != 8:
+                raise ValueError("crc32c must be 8 hex digits")
+            int(crc, 16)
         except (KeyError, TypeError, ValueError) as exc:
             raise ShardError(f"{mpath}: shard entry {i} is malformed ({exc})", path=str(mpath)) from exc
         if not isinstance(fname, str) or "/" in fname or fname in ("", ".", ".."):
@@ -345,7 +354,8 @@ def _load_manifest(directory: Path) -> dict[str, Any]:
             path=str(mpath),
         )
     for key, kind in (("schema", list), ("shards", list), ("records", int)):
-        if not isinstance(manifest.get(key), kind):
+        value = manifest.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
             raise ShardError(f"{mpath}: {key!r} is missing or not a {kind.__name__}", path=str(mpath))
     if not manifest["shards"]:
         raise ShardError(f"{mpath}: lists no shards (empty data set)", path=str(mpath))

@@ -45,18 +45,21 @@ SchemaLike = Mapping[str, Any] | Iterable[Any]
 def _field(name: Any, dtype: Any, shape: Any) -> Field:
     if not isinstance(name, str) or not name:
         raise ShardError(f"schema: field name must be a non-empty string, got {name!r}")
+    if dtype is None:
+        raise ShardError(f"schema: field {name!r} has no dtype")
     try:
         dt = np.dtype(dtype)
-    except TypeError as exc:
+    except Exception as exc:  # numpy raises TypeError, ValueError, ... for junk
         raise ShardError(f"schema: field {name!r} has an unknown dtype {dtype!r}") from exc
     if dt.name not in DTYPE_CODES:
         raise ShardError(f"schema: field {name!r} has dtype {dt}; supported: {', '.join(DTYPE_CODES)}")
     if isinstance(shape, int | np.integer):
         shape = (int(shape),)
-    try:
-        shp = tuple(int(d) for d in shape)
-    except TypeError as exc:
-        raise ShardError(f"schema: field {name!r} shape must be a tuple of ints") from exc
+    if not isinstance(shape, list | tuple) or not all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) for d in shape
+    ):
+        raise ShardError(f"schema: field {name!r} shape must be a tuple of ints, got {shape!r}")
+    shp = tuple(int(d) for d in shape)
     if len(shp) > 8 or any(d < 1 for d in shp):
         raise ShardError(f"schema: field {name!r} shape {shp} must have at most 8 dimensions, each >= 1")
     return Field(name, np.dtype(dt.newbyteorder("<")) if dt.itemsize > 1 else dt, shp)
@@ -72,13 +75,19 @@ def parse_schema(schema: SchemaLike) -> Schema:
         for item in schema:
             if isinstance(item, Field):
                 items.append(tuple(item))
-            elif isinstance(item, Mapping):
+            elif isinstance(item, Mapping):  # the manifest's JSON form: strings only
                 try:
-                    items.append((item["name"], item["dtype"], item["shape"]))
+                    entry = (item["name"], item["dtype"], item["shape"])
                 except KeyError as exc:
                     raise ShardError(f"schema: entry {item!r} lacks {exc}") from exc
+                if not isinstance(entry[1], str):
+                    raise ShardError(f"schema: entry {item!r}: dtype must be a string")
+                items.append(entry)
             else:
-                items.append(tuple(item))
+                try:
+                    items.append(tuple(item))
+                except TypeError as exc:
+                    raise ShardError(f"schema: expected (name, dtype, shape), got {item!r}") from exc
     fields = []
     for item in items:
         if len(item) != 3:

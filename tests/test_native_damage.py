@@ -268,7 +268,7 @@ def test_dataset_index_out_of_range(tmp_path):
 # ---- fuzz ------------------------------------------------------------------
 
 FUZZ_SETTINGS = settings(
-    max_examples=300,
+    max_examples=400,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -378,3 +378,91 @@ def test_file_truncated_while_mapped(tmp_path):
     with pytest.raises(native.ShardError, match="truncated while in use"):
         r.verify()
     assert r.read([2])["label"].tolist() == [2]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("fuzzds") / "ds")
+
+
+@FUZZ_SETTINGS
+@given(
+    path=st.lists(
+        st.sampled_from(
+            [
+                "schema",
+                "shards",
+                "records",
+                0,
+                1,
+                2,
+                "name",
+                "dtype",
+                "shape",
+                "file",
+                "bytes",
+                "crc32c",
+                "format",
+                "version",
+            ]
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    value=json_values,
+)
+def test_fuzz_manifest(tmp_path, dataset_dir, path, value):
+    """Any value anywhere in the manifest: the data set opens and reads right, or ShardError."""
+    root = tmp_path / "ds"
+    if root.exists():
+        shutil.rmtree(root)
+    shutil.copytree(dataset_dir, root)
+    obj = json.loads((root / "manifest.json").read_text())
+    node = obj
+    for key in path[:-1]:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return
+    try:
+        node[path[-1]] = value
+    except (IndexError, TypeError):
+        return
+    (root / "manifest.json").write_text(json.dumps(obj))
+    try:
+        ds = native.open_dataset(root)
+    except native.ShardError:
+        return
+    b = ds.read(np.arange(len(ds)))
+    np.testing.assert_array_equal(b["label"], records(50)["label"])
+
+
+def test_manifest_values_of_the_wrong_type(tmp_path):
+    cases = [
+        lambda o: o["shards"][0].__setitem__("bytes", float("inf")),
+        lambda o: o["shards"][0].__setitem__("records", True),
+        lambda o: o["shards"][0].__setitem__("records", 20.0),
+        lambda o: o.__setitem__("records", True),
+        lambda o: o["schema"][0].__setitem__("dtype", None),
+        lambda o: o["schema"][0].__setitem__("dtype", {}),
+        lambda o: o["schema"][0].__setitem__("shape", [3, 4.0, 4]),
+        lambda o: o["schema"][0].__setitem__("shape", "344"),
+        lambda o: o["schema"].__setitem__(0, 5),
+        lambda o: o["shards"].__setitem__(0, "shard-00000.shard"),
+    ]
+    for i, fn in enumerate(cases):
+        root = make_dataset(tmp_path / f"c{i}")
+        m = root / "manifest.json"
+        obj = json.loads(m.read_text())
+        fn(obj)
+        m.write_text(json.dumps(obj))
+        with pytest.raises(native.ShardError) as info:
+            native.open_dataset(root)
+        assert str(root) in str(info.value), i
