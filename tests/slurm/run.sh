@@ -136,7 +136,8 @@ free_port() {
 }
 
 NODE=$(hostname -s)
-CPUS=$(nproc)
+# nproc obeys OMP_NUM_THREADS (the Makefile sets it to 1): ask without it.
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 CTLD_PORT=$(free_port)
 SLURMD_PORT=$(free_port)
 while [[ $SLURMD_PORT == "$CTLD_PORT" ]]; do SLURMD_PORT=$(free_port); done
