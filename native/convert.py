@@ -238,7 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m native.convert",
         description="Convert image data into shard data sets OUT/train and OUT/test "
-        "(fields: image C,H,W and label int64). Re-running replaces OUT's data sets.",
+        "(fields: image C,H,W and label int64). Re-running replaces OUT's data sets. "
+        "Prints what was written and how fast it reads back.",
+        epilog="examples:\n"
+        "  python -m native.convert digits data/digits\n"
+        "  python -m native.convert cifar10-bin cifar-10-batches-bin/*.bin data/cifar10\n"
+        "  python -m native.convert mnist-idx train-images-idx3-ubyte.gz "
+        "train-labels-idx1-ubyte.gz data/mnist \\\n"
+        "      --test-images t10k-images-idx3-ubyte.gz --test-labels t10k-labels-idx1-ubyte.gz\n"
+        "  python -m native.convert npz mnist.npz data/mnist\n"
+        "  python -m native.convert synthetic --shape 3,32,32 --count 200000 data/synthetic\n"
+        "run `python -m native.convert SOURCE --help` for the options of a source",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -266,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="scikit-learn's bundled digits: image float32 (1,8,8) in "
         "[0,1], label int64; a stratified held-out test split.",
     )
-    s.add_argument("out", type=Path, metavar="OUT")
+    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
 
     s = sub.add_parser(
         "cifar10-bin",
@@ -276,8 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
         "record. Files named test* go to OUT/test; without one a fraction is "
         "held out.",
     )
-    s.add_argument("files", type=Path, nargs="+", metavar="FILE")
-    s.add_argument("out", type=Path, metavar="OUT")
+    s.add_argument(
+        "files",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="data_batch_*.bin and test_batch.bin (3,073 bytes per record)",
+    )
+    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
     s.add_argument(
         "--dtype",
         choices=["uint8", "float32"],
@@ -293,11 +310,19 @@ def build_parser() -> argparse.ArgumentParser:
         "raw or gzip. Give --test-images/--test-labels for the t10k pair; "
         "otherwise a fraction is held out.",
     )
-    s.add_argument("images", type=Path, metavar="IMAGES")
-    s.add_argument("labels", type=Path, metavar="LABELS")
-    s.add_argument("out", type=Path, metavar="OUT")
-    s.add_argument("--test-images", type=Path, default=None)
-    s.add_argument("--test-labels", type=Path, default=None)
+    s.add_argument(
+        "images", type=Path, metavar="IMAGES", help="IDX file of N x H x W bytes, e.g. train-images-idx3-ubyte"
+    )
+    s.add_argument(
+        "labels", type=Path, metavar="LABELS", help="IDX file of N label bytes, e.g. train-labels-idx1-ubyte"
+    )
+    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
+    s.add_argument(
+        "--test-images", type=Path, default=None, metavar="FILE", help="IDX test images, e.g. t10k-images-idx3-ubyte"
+    )
+    s.add_argument(
+        "--test-labels", type=Path, default=None, metavar="FILE", help="IDX test labels, e.g. t10k-labels-idx1-ubyte"
+    )
     s.add_argument(
         "--dtype",
         choices=["uint8", "float32"],
@@ -313,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
         "images/labels, or x/y. Images N,H,W or N,C,H,W or N,H,W,C; uint8 or "
         "float (stored as float32).",
     )
-    s.add_argument("file", type=Path, metavar="FILE")
-    s.add_argument("out", type=Path, metavar="OUT")
+    s.add_argument("file", type=Path, metavar="FILE", help="the .npz file")
+    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
 
     s = sub.add_parser(
         "synthetic",
@@ -323,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Random uint8 images and uniform labels (for throughput "
         "benchmarks; there is nothing to learn in them).",
     )
-    s.add_argument("out", type=Path, metavar="OUT")
+    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
     s.add_argument(
         "--shape",
         type=_parse_shape,
@@ -331,10 +356,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="C,H,W",
         help="per-record image shape (default 3,32,32)",
     )
-    s.add_argument("--classes", type=int, default=10, metavar="K")
+    s.add_argument("--classes", type=int, default=10, metavar="K", help="labels are drawn from 0..K-1 (default 10)")
     s.add_argument("--count", type=int, default=10000, metavar="N", help="training records")
     s.add_argument("--test-count", type=int, default=None, metavar="M", help="test records (default N/10, at least 1)")
-    s.add_argument("--dtype", choices=["uint8", "float32"], default="uint8")
+    s.add_argument(
+        "--dtype",
+        choices=["uint8", "float32"],
+        default="uint8",
+        help="stored image type; float32 scales to [0,1] (default uint8)",
+    )
     return p
 
 
