@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpipipe.data import DataError
 
-class DataError(ValueError):
-    """A rank's data directory is missing or unreadable; the message names it."""
+__all__ = ["DataError", "open_split", "to_tensors", "BatchStream"]
 
 
 def open_split(directory: str | Path) -> Any:
@@ -38,7 +38,7 @@ def open_split(directory: str | Path) -> Any:
 
 
 def to_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images as float32 (uint8 scaled to [0, 1]) and labels as int64, without extra copies."""
+    """Images as float32 (uint8 scaled to [0, 1], as mpipipe.data does) and labels as int64."""
     image = batch["image"]
     x = torch.from_numpy(np.ascontiguousarray(image))
     x = x.float().div_(255.0) if image.dtype == np.uint8 else x.float()
@@ -90,13 +90,3 @@ class BatchStream:
                 xs.append(x)
                 ys.append(y)
         return (xs[0], ys[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(ys))
-
-
-def read_all(reader: Any, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every record of a (small) data set, for evaluation on the host."""
-    xs, ys = [], []
-    for start in range(0, len(reader), chunk):
-        x, y = to_tensors(reader.read(np.arange(start, min(start + chunk, len(reader)))))
-        xs.append(x)
-        ys.append(y)
-    return torch.cat(xs), torch.cat(ys)

@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from mpipipe import ft
 from mpipipe.cli import Run, start_run
+from mpipipe.data import test_batches
 from mpipipe.inject import FaultPlan, parse_all
 from mpipipe.models import build_model
 
@@ -21,7 +22,7 @@ from .allreduce import WeightedAllreduce
 from .audit import AuditedComm
 from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, csd_dir, csd_profile, emulation, stannis_plan
 from .csd import Stretch
-from .data import BatchStream, DataError, open_split, to_tensors
+from .data import BatchStream, DataError, open_split
 from .energy import EnergyError, PowerModel, make_meter
 from .hypertune import (
     Plan,
@@ -148,7 +149,7 @@ class Trainer:
         parts = []
         test = None
         if self.is_host:
-            test = open_split(f"{root}/public/test")
+            test = open_split(f"{root}/public/test")  # checked now; read by test_batches
             keep = len(public) - int(round(share * len(public))) if n else len(public)
             parts.append((public, np.arange(keep)))
         else:
@@ -340,6 +341,7 @@ class Trainer:
                 self.run.log.event("energy_source", step=0, rank=r, source=self.sources[r])
         self._share_plan()
         self.comm.take()
+        self.t_train = time.perf_counter()  # samples/s in the summary counts training only
         eval_every = cfg["run"]["eval_every"]
         while self.step < steps:
             try:
@@ -424,25 +426,23 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Host: accuracy on the public test split."""
-        from native.reader import read_all
-
         self.model.eval()
-        x, y = to_tensors(read_all(self.test))
-        correct = 0
+        correct = count = 0
         loss = 0.0
         with torch.no_grad():
-            for i in range(0, len(y), 1024):
-                out = self.model(x[i:i + 1024])
-                loss += float(self.loss_fn(out, y[i:i + 1024]).item()) * len(out)
-                correct += int((out.argmax(1) == y[i:i + 1024]).sum())
+            for x, y in test_batches(f"{self.cfg['data']['path']}/public", 1024):
+                out = self.model(x)
+                loss += float(self.loss_fn(out, y).item()) * len(y)
+                correct += int((out.argmax(1) == y).sum())
+                count += len(y)
         self.model.train()
-        accuracy = correct / max(len(y), 1)
-        self.run.log.eval(self.step, accuracy=accuracy, loss=loss / max(len(y), 1))
+        accuracy = correct / max(count, 1)
+        self.run.log.eval(self.step, accuracy=accuracy, loss=loss / max(count, 1))
         self.run.progress.message(f"step {self.step}: test accuracy {accuracy:.4f}")
         return accuracy
 
     def _summary(self, accuracy: float) -> None:
-        elapsed = self.run.log.elapsed()
+        elapsed = time.perf_counter() - self.t_train
         per_rank = {}
         for r, t in self.totals.items():
             per_rank[r] = {
