@@ -42,7 +42,7 @@ PROG = "stannis train"
 
 # One row of per-step figures every rank sends to the host (float64, buffer API).
 FIGURES = ("compute_s", "wait_s", "batch_size", "joules", "loss_sum", "bytes_sent", "bytes_recv",
-           "step")
+           "busy_s")
 FIG_BYTES = 8 * len(FIGURES)
 
 
@@ -134,6 +134,7 @@ class Trainer:
         self.window: dict[int, deque[float]] = {}
         self.last_change: list[int] = []
         self.last_change_step = 0
+        self._cycle: float | None = None  # end of the last gradient exchange
         self.totals = {r: {"samples": 0, "joules": 0.0, "busy_s": 0.0} for r in self.members}
         self.step = 0
 
@@ -350,6 +351,7 @@ class Trainer:
                 if not (ft.is_proc_failed(e) or ft.is_revoked(e)):
                     raise
                 self._recover(e)
+                self._cycle = None
                 continue
             if self.is_host and eval_every and self.step % eval_every == 0 and \
                     self.step < steps:
@@ -377,6 +379,12 @@ class Trainer:
         compute_s, loss_sum = self._compute(b)
         self.reducer.reset_counters()
         total = self.reducer.reduce(b)
+        # Busy time: one full cycle between gradient exchanges minus the time spent
+        # waiting in it. It counts what compute_s does not (the optimizer, the host's
+        # logging and evaluation), which the step time of the job pays all the same.
+        now = time.perf_counter()
+        busy_s = compute_s if self._cycle is None else now - self._cycle - self.reducer.wait_s
+        self._cycle = now
         lr = scaled_lr(o["lr"], o["base_batch"], int(total), index, o["warmup_steps"])
         if o["schedule"] == "cosine":
             lr *= 0.5 * (1.0 + math.cos(math.pi * index / steps))
@@ -388,7 +396,7 @@ class Trainer:
         if self.is_host:
             recv += (self.comm.Get_size() - 1) * FIG_BYTES
         row = np.array([compute_s, self.reducer.wait_s, b, joules, loss_sum,
-                        sent + FIG_BYTES, recv, index + 1], dtype=np.float64)
+                        sent + FIG_BYTES, recv, busy_s], dtype=np.float64)
         table = np.zeros((self.comm.Get_size(), len(FIGURES))) if self.is_host else None
         self.comm.Gather(row, table, root=0)
         self.comm.take()  # the gather is already in the row; a plan broadcast counts next step
@@ -411,9 +419,9 @@ class Trainer:
             loss_sum += fig["loss_sum"]
             ranks[r] = {"compute_s": fig["compute_s"], "wait_s": fig["wait_s"],
                         "bytes_sent": int(fig["bytes_sent"]), "bytes_recv": int(fig["bytes_recv"]),
-                        "batch_size": b, "joules": fig["joules"]}
+                        "batch_size": b, "joules": fig["joules"], "busy_s": fig["busy_s"]}
             if b > 0:
-                self.window[r].append(fig["compute_s"])
+                self.window[r].append(fig["busy_s"])
             t = self.totals.setdefault(r, {"samples": 0, "joules": 0.0, "busy_s": 0.0})
             t["samples"] += b
             t["joules"] += fig["joules"]
