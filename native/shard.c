@@ -1122,6 +1122,12 @@ shard_writer_t *shard_writer_open(const char *path, const shard_field_t *fields,
             align = a;
     }
     w->record_size = align_up(end, align);
+    if (w->record_size == 0 || w->record_size > UINT32_MAX) {
+        fail(err, SHARD_E_ARG, -1, -1, "%s: records must be 1 byte to 4 GiB, this schema needs %llu",
+             path, (unsigned long long)w->record_size);
+        writer_free(w);
+        return NULL;
+    }
     if (check_fields(w->fields, n_fields, w->record_size, path, err)) {
         if (err)
             err->code = SHARD_E_ARG;

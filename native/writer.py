@@ -24,15 +24,20 @@ DEFAULT_SHARD_BYTES = 64 << 20
 
 def _record_dtype(schema: Schema) -> tuple[np.dtype, int]:
     """A numpy structured dtype whose bytes are exactly one on-disk record."""
-    size, layout = _shard.layout([(f.name, DTYPE_CODES[f.dtype.name], f.shape) for f in schema])
-    dtype = np.dtype(
-        {
-            "names": [f.name for f in schema],
-            "formats": [(f.dtype, f.shape) if f.shape else f.dtype for f in schema],
-            "offsets": [off for off, _ in layout],
-            "itemsize": size,
-        }
-    )
+    try:
+        size, layout = _shard.layout([(f.name, DTYPE_CODES[f.dtype.name], f.shape) for f in schema])
+        if size >= 1 << 32:
+            raise ValueError(f"records must be under 4 GiB, this schema needs {size} bytes")
+        dtype = np.dtype(
+            {
+                "names": [f.name for f in schema],
+                "formats": [(f.dtype, f.shape) if f.shape else f.dtype for f in schema],
+                "offsets": [off for off, _ in layout],
+                "itemsize": size,
+            }
+        )
+    except ValueError as exc:
+        raise ShardError(f"schema: {exc}") from exc
     return dtype, size
 
 
