@@ -75,13 +75,15 @@ install_packages
 
 # --- 2. the demo data (made once, shared with make demo) ---------------------
 if [[ $SMOKE == 0 ]]; then
-    if [[ ! -d data/digits ]]; then
+    # Checked by the file each tool writes last, so a half-made directory
+    # (an interrupted earlier run) is made again.
+    if [[ ! -f data/digits/train/manifest.json ]]; then
         say "converting the digits data set into data/digits"
         "$PY" -m native.convert digits data/digits
     fi
-    if [[ ! -d data/stannis-digits ]]; then
+    if [[ ! -f data/stannis-digits/split.json ]]; then
         say "splitting data/digits into public and per-CSD shards (data/stannis-digits)"
-        "$PY" -m stannis prepare --source data/digits --out data/stannis-digits
+        "$PY" -m stannis prepare --source data/digits --out data/stannis-digits --overwrite
     fi
 fi
 
