@@ -466,3 +466,23 @@ def test_manifest_values_of_the_wrong_type(tmp_path):
         with pytest.raises(native.ShardError) as info:
             native.open_dataset(root)
         assert str(root) in str(info.value), i
+
+
+def test_check_command(tmp_path, good, capsys):
+    from native import check
+
+    path = tmp_path / "ok.shard"
+    path.write_bytes(good)
+    assert check.main([str(path), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"{N} records of 56 bytes" in out and "field 'label': int64 ()" in out
+    root = make_dataset(tmp_path / "ds")
+    assert check.main([str(root)]) == 0
+    assert "50 records in 3 shard(s)" in capsys.readouterr().out
+    b = bytearray(good)
+    b[u64(good, 40) + 56 * 4 + 1] ^= 1
+    path.write_bytes(bytes(b))
+    assert check.main([str(path)]) == 0  # structure intact
+    assert check.main([str(path), "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert "damaged" in err and "record 4" in err and str(path) in err
