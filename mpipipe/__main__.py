@@ -1,4 +1,4 @@
-"""`python -m mpipipe COMMAND`: the one entry point of the pipeline system (train, cost, report)."""
+"""`python -m mpipipe COMMAND`: the one entry point of the pipeline system (train, cost, report, defaults)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     costmodel.add_parser(sub)
     report.add_parser(sub)
+    defaults = sub.add_parser("defaults", help="print the default configuration as TOML")
+    defaults.set_defaults(func=_print_defaults)
     return parser
+
+
+def _print_defaults(args: argparse.Namespace) -> int:
+    from .config import PIPELINE_DEFAULTS, dump_toml
+
+    print(dump_toml(PIPELINE_DEFAULTS), end="")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

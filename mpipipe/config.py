@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "PIPELINE_DEFAULTS", "PIPELINE_CHOICES", "load_config", "parse_override"]
+__all__ = ["ConfigError", "PIPELINE_DEFAULTS", "PIPELINE_CHOICES", "dump_toml", "load_config", "parse_override"]
 
 
 class ConfigError(ValueError):
@@ -194,3 +194,25 @@ def load_config(
     if choices:
         _check_choices(cfg, choices)
     return cfg
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f'"{k}" = {_toml_value(v)}' for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def dump_toml(cfg: Mapping[str, Mapping[str, Any]]) -> str:
+    """A configuration (e.g. a schema's defaults) as TOML that :func:`load_config` reads back."""
+    lines: list[str] = []
+    for section, body in cfg.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key if key.isidentifier() else repr(key)} = {_toml_value(v)}" for key, v in body.items()]
+        lines.append("")
+    return "\n".join(lines)

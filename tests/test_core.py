@@ -158,3 +158,12 @@ def test_open_log_reads_a_log_cut_mid_row(tmp_path):
     run = open_log(path)
     assert run.attrs["status"] == "running"
     assert len(run.steps["step"]) == len(run.steps["loss"]) == 2
+
+
+def test_dump_toml_round_trips_the_defaults(tmp_path):
+    from mpipipe.config import dump_toml
+
+    p = write(tmp_path, dump_toml(PIPELINE_DEFAULTS))
+    assert load_config(p) == load_config(None)
+    cfg = load_config(None, ["plan.stage 0=0", "resilience.backups.1=2"])
+    assert load_config(write(tmp_path, dump_toml(cfg), "d.toml")) == cfg
