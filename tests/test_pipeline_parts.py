@@ -1,0 +1,128 @@
+"""Pieces of the pipeline engine that need no MPI: schedules, partition, zoo, tags, checkpoints."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mpipipe import checkpoint
+from mpipipe.models import build_model
+from mpipipe.partition import balance_by_params, balance_by_time, balance_costs, split
+from mpipipe.schedule import actions, gpipe, onef1b
+from mpipipe.transport import make_tag, split_tag
+
+
+@given(k=st.integers(1, 6), m=st.integers(1, 12), name=st.sampled_from(["gpipe", "1f1b"]))
+def test_every_micro_batch_runs_forward_then_backward_once(k, m, name):
+    for stage in range(k):
+        acts = actions(name, stage, k, m)
+        assert sorted(acts) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        for i in range(m):
+            assert acts.index(("F", i)) < acts.index(("B", i))
+        # backwards run in micro-batch order on every stage, so gradients meet in order
+        assert [i for op, i in acts if op == "B"] == list(range(m))
+
+
+@given(k=st.integers(1, 6), m=st.integers(1, 12))
+def test_1f1b_keeps_at_most_k_minus_stage_micro_batches_in_flight(k, m):
+    for stage in range(k):
+        in_flight = peak = 0
+        for op, _ in onef1b(stage, k, m):
+            in_flight += 1 if op == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak <= min(k - stage, m)
+    assert gpipe(m)[:m] == [("F", i) for i in range(m)]
+
+
+def test_unknown_schedule_is_named():
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        actions("zigzag", 0, 2, 4)
+
+
+@settings(max_examples=60)
+@given(costs=st.lists(st.floats(0, 100), min_size=1, max_size=8), k=st.integers(1, 8))
+def test_balance_is_the_best_contiguous_cut(costs, k):
+    if k > len(costs):
+        with pytest.raises(ValueError):
+            balance_costs(costs, k)
+        return
+    balance = balance_costs(costs, k)
+    assert len(balance) == k and sum(balance) == len(costs) and min(balance) >= 1
+
+    def worst(b):
+        bounds = list(itertools.accumulate(b, initial=0))
+        return max(sum(costs[bounds[i]:bounds[i + 1]]) for i in range(len(b)))
+
+    best = min(worst([b - a for a, b in zip((0, *cut), (*cut, len(costs)), strict=True)])
+               for cut in itertools.combinations(range(1, len(costs)), k - 1))
+    assert worst(balance) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("name,in_shape", [("lenet", (1, 8, 8)), ("lenet", (1, 28, 28)),
+                                           ("vgg", (3, 32, 32)), ("resnet", (3, 32, 32))])
+def test_zoo_models_are_sequential_and_cut_anywhere(name, in_shape):
+    torch.manual_seed(0)
+    model = build_model(name, 10, in_shape)
+    assert isinstance(model, torch.nn.Sequential)
+    x = torch.randn(2, *in_shape)
+    whole = model(x)
+    assert whole.shape == (2, 10)
+    for k in (2, 3):
+        parts = split(model, balance_by_params(model, k))
+        y = x
+        for part in parts:
+            y = part(y)
+        assert torch.equal(y, whole)
+    assert sum(balance_by_time(model, x, 2, repeat=1)) == len(model)
+
+
+def test_split_keeps_layer_names_and_rejects_bad_balance():
+    model = build_model("lenet", 10, (1, 8, 8))
+    parts = split(model, [5, 7])
+    names = set(parts[0].state_dict()) | set(parts[1].state_dict())
+    assert names == set(model.state_dict())
+    with pytest.raises(ValueError, match="covers 3 layers but the model has 12"):
+        split(model, [1, 2])
+    with pytest.raises(ValueError, match="at least one layer"):
+        split(model, [12, 0])
+    with pytest.raises(ValueError, match="unknown model"):
+        build_model("alexnet", 10, (3, 32, 32))
+
+
+@given(gen=st.integers(0, 100), kind=st.integers(0, 7), step=st.integers(0, 10**5),
+       micro=st.integers(0, 5000))
+def test_tags_fit_and_round_trip(gen, kind, step, micro):
+    tag = make_tag(gen, kind, step, micro)
+    assert 0 <= tag < 2**31 - 1
+    assert split_tag(tag) == (gen % 32, kind, step % 4096, micro % 1024)
+
+
+def test_checkpoint_round_trip_and_refusals(tmp_path):
+    model = build_model("lenet", 10, (1, 8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 1, 8, 8)).sum().backward()
+    opt.step()
+    checkpoint.save_stage(tmp_path, step=7, stage=1, balance=[6, 6], module=model,
+                          optimizer=opt, sampler=(2, 64))
+    state = checkpoint.load_stage(tmp_path, 1)
+    assert (state.step, state.balance, state.sampler) == (7, [6, 6], (2, 64))
+    assert all(torch.equal(state.params[k], v) for k, v in model.state_dict().items())
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt2.load_state_dict(state.optimizer)
+    with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
+        checkpoint.load_stage(tmp_path, 0)
+    (tmp_path / "stage-2.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(checkpoint.CheckpointError, match="cannot read"):
+        checkpoint.load_stage(tmp_path, 2)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    torch.save({"format": "x", "evil": Evil()}, tmp_path / "stage-3.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="cannot read"):
+        checkpoint.load_stage(tmp_path, 3)
