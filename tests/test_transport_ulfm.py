@@ -1,0 +1,49 @@
+"""Under ULFM a dead peer makes the transport raise PeerFailed instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import os, signal, torch
+from mpi4py import MPI
+from mpipipe.transport import ACT, PeerFailed, Transport
+comm = MPI.COMM_WORLD
+t = Transport(comm)
+comm.Barrier()
+if comm.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+checks = [
+    ("recv", lambda: t.recv(torch.empty(4), 1, kind=ACT, step=0, deadline=60)),
+    ("recv_rows", lambda: t.recv_rows((4,), torch.float32, 1, kind=ACT, step=1, deadline=60)),
+    ("send", lambda: (t.send(torch.ones(1 << 18), 1, kind=ACT, step=2), t.flush(deadline=60))),
+]
+for name, call in checks:
+    try:
+        call()
+        print(name, "no error", flush=True)
+    except PeerFailed as e:
+        print(name, "PeerFailed", e.peer, flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_dead_peer_raises_peer_failed(tmp_path):
+    script = tmp_path / "kill.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [str(Path(sys.executable).parent / "mpirun"), "--with-ft", "ulfm", "--oversubscribe",
+           "-x", "PYTHONPATH", "-n", "2", sys.executable, str(script)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    lines = result.stdout.splitlines()
+    for name in ("recv", "recv_rows", "send"):
+        assert f"{name} PeerFailed 1" in lines, result.stdout + result.stderr[-2000:]
