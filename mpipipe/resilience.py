@@ -70,10 +70,10 @@ class StageLost(RuntimeError):
 
     def __init__(self, stage: int, rank: int, reason: str) -> None:
         self.stage, self.rank, self.reason = stage, rank, reason
+        hint = "" if ft.ulfm_enabled() else " and run under mpirun --with-ft ulfm to survive dead ranks"
         super().__init__(
             f"stage {stage} (world rank {rank}) {reason} and has no backup left: the pipeline "
-            f"cannot continue. Give it one with resilience.backups = {{{stage} = 1}} (and run "
-            f"under mpirun --with-ft ulfm to survive dead ranks)")
+            f"cannot continue. Give it one with resilience.backups = {{{stage} = 1}}{hint}")
 
 
 class Demoted(RuntimeError):
@@ -113,6 +113,10 @@ class Settings:
             raise ValueError(f"resilience.deadline_s = {sec['deadline_s']}: must be > 0")
         if float(sec["deadline_factor"]) < 0:
             raise ValueError("resilience.deadline_factor must be >= 0 (0: fixed deadline only)")
+        if sec["mode"] == "neighbour" and _backup_counts(sec.get("backups", {}), stages):
+            raise ValueError("resilience.mode = \"neighbour\": the cost model covers it "
+                             "(python -m mpipipe cost) but takeover by the neighbouring stage "
+                             "is not implemented yet; use cold or hot")
         faults = tuple(parse_all(sec.get("inject", [])))
         for f in faults:
             if f.stage is not None and f.stage >= stages:
@@ -235,11 +239,13 @@ class _Control:
         """One waiting message with this code from ``source``, or None (never blocks)."""
         status = self.MPI.Status()
         try:
-            if not self.comm.Iprobe(source, _ctl_tag(code, seq), status):
+            # A matched probe receives exactly the probed message, even from a rank that
+            # has died since (under ULFM a plain Recv from it fails).
+            message = self.comm.Improbe(source, _ctl_tag(code, seq), status)
+            if message is None:
                 return None
-            n = status.Get_count(self.MPI.DOUBLE)
-            buf = np.empty(n, dtype=np.float64)
-            self.comm.Recv(buf, source, _ctl_tag(code, seq))
+            buf = np.empty(status.Get_count(self.MPI.DOUBLE), dtype=np.float64)
+            message.Recv(buf)
             return buf
         except Exception:  # noqa: BLE001 - source died: treat as silent
             return None
@@ -1003,7 +1009,9 @@ class ResPipe:
         t_comm = time.time()
         del old_data  # never freed: a demoted rank may still post to it
         if self.is_logger:
-            # Figures of steps before the round travel on the old control communicator.
+            # Fault notes and figures of steps before the round travel on the old control
+            # communicator: read them before leaving it.
+            self._drain_fault_notes()
             for s in sorted(self.pending_rows):
                 self._collect_figs(s, 0.2, alive=d["members"])
         self.data, self.control, self.members = new, _Control(ctl), members_new
@@ -1044,7 +1052,6 @@ class ResPipe:
                       default=math.nan)
         detected_after = d["t_detect"] - t_fault if not math.isnan(t_fault) else d["waited_s"]
         if self.is_logger:
-            self._drain_fault_notes()
             t_fault = min((self.fault_notes.get(w, (math.nan,))[0] for w in gone),
                           default=math.nan)
             detected_after = d["t_detect"] - t_fault if not math.isnan(t_fault) \
@@ -1258,7 +1265,12 @@ def train(run: Any) -> int:
             rp.data.Barrier()  # the log is closed before any survivor exits
         except Exception:  # noqa: BLE001 - a further failure: exit anyway
             pass
-        return 2
+        # Leave without MPI_Finalize: under ULFM it runs an agreement over the world,
+        # which we saw hang now and then with a dead rank in it. The log and the
+        # checkpoints are closed files by now; mpirun reports the exit status.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except Demoted as e:
         print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
               f"the job without sending anything", file=sys.stderr, flush=True)

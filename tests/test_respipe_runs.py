@@ -1,0 +1,165 @@
+"""ResPipe end to end: real mpirun jobs with kills (ULFM), stalls, and byte counts.
+
+Each run is one `mpirun ... python -m mpipipe train` of 20 steps of LeNet on the
+digits in 3 stages; runs are shared between tests (module scope) to keep the
+suite short on two cores. Nothing here asserts timings.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CONFIG = ROOT / "jobs" / "configs" / "respipe-digits.toml"
+STEPS, BATCH = 20, 32
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    return env
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "digits"
+    subprocess.run([sys.executable, "-m", "native.convert", "digits", str(out)], cwd=ROOT,
+                   env=_env(), check=True, capture_output=True, timeout=120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(digits, tmp_path_factory):
+    """run(name, ranks, *settings, ulfm=...) -> (CompletedProcess, log path, checkpoints)."""
+    base = tmp_path_factory.mktemp("respipe")
+
+    @cache
+    def run(name: str, ranks: int, *settings: str, ulfm: bool = True, timeout: float = 150):
+        log = base / f"{name}.h5"
+        cmd = [str(BIN / "mpirun"), "--oversubscribe", "-x", "PYTHONPATH", "-n", str(ranks)]
+        if ulfm:
+            cmd[1:1] = ["--with-ft", "ulfm"]
+        cmd += [sys.executable, "-m", "mpipipe", "train", "--quiet", "--config", str(CONFIG),
+                "--set", f'data.path="{digits}"', "--set", f"run.steps={STEPS}",
+                "--set", "run.eval_every=0", "--set", f"run.checkpoint_every={STEPS}",
+                "--set", f"data.batch_size={BATCH}", "--log", str(log)]
+        for s in settings:
+            cmd += ["--inject", s[len("inject:"):]] if s.startswith("inject:") else ["--set", s]
+        result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                                timeout=timeout)
+        return result, log, base / f"{name}-ckpt"
+
+    return run
+
+
+ONE_BACKUP = "resilience.backups={1 = 1}"
+NO_BACKUP = "resilience.backups={}"
+
+
+def _open(log: Path):
+    from mpipipe.runlog import open_log
+
+    return open_log(log)
+
+
+def _params(ckpt: Path) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(ckpt / f"stage-{k}.pt", weights_only=False)["params"] for k in range(3)]
+
+
+def _predicted(log_path: Path) -> float:
+    """The cost model's bytes per step for this run's cut, recomputed here from its config."""
+    from mpipipe import costmodel
+    from mpipipe.models import build_model
+    from mpipipe.partition import split
+    from mpipipe.roles import _backup_counts
+
+    run = _open(log_path)
+    cfg = run.config
+    balance = [int(b) for b in str(run.attrs["balance"]).strip("[]").split(",")]
+    model = build_model("lenet", 10, (1, 8, 8))
+    shapes, in_bytes = costmodel.stage_shapes(split(model, balance), (1, 8, 8), "sgd", 0.9)
+    res = cfg["resilience"]
+    return costmodel.predict(shapes, batch_size=BATCH, backups=_backup_counts(res["backups"], 3),
+                             replicate_every=res["replicate_every"], mode=res["mode"],
+                             label_bytes=8, input_bytes=in_bytes).total
+
+
+def _measured(log_path: Path) -> float:
+    run = _open(log_path)
+    per_step = sum(r["bytes_sent"].astype(float) for r in run.ranks.values())
+    return float(per_step.mean())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, ranks, settings", [
+    ("plain", 3, (NO_BACKUP,)),
+    ("cold-r1", 4, (ONE_BACKUP, "resilience.replicate_every=1")),
+    ("cold-r10", 4, (ONE_BACKUP, "resilience.replicate_every=10")),
+    ("hot-r1", 4, (ONE_BACKUP, "resilience.replicate_every=1", 'resilience.mode="hot"')),
+    ("hot-r10", 4, (ONE_BACKUP, "resilience.replicate_every=10", 'resilience.mode="hot"')),
+])
+def test_bytes_per_step_match_the_cost_model(runs, name, ranks, settings):
+    result, log, _ = runs(name, ranks, *settings, ulfm=name != "plain")
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured, predicted = _measured(log), _predicted(log)
+    assert measured == pytest.approx(predicted, rel=0.01), (name, measured, predicted)
+
+
+@pytest.mark.timeout(600)
+def test_kill_with_backup_runs_to_the_end_and_equals_the_failure_free_run(runs):
+    clean, _, clean_ckpt = runs("cold-r1", 4, ONE_BACKUP, "resilience.replicate_every=1")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    result, log, ckpt = runs("kill", 4, ONE_BACKUP, "resilience.replicate_every=1",
+                             "inject:kill:stage=1:step=7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = _open(log)
+    kinds = [e["kind"] for e in run.events]
+    assert "fault_injected" in kinds and "failure_detected" in kinds and "takeover" in kinds
+    takeover = run.events_of("takeover")[0]["detail"]
+    assert takeover["stage"] == 1 and takeover["replaced"] == 1
+    assert run.events_of("takeover_recovered")[0]["detail"]["recovery_s"] > 0
+    assert run.steps["samples"].sum() == STEPS * BATCH
+    assert list(run.steps["step"]) == list(range(1, STEPS + 1))
+    for got, want in zip(_params(ckpt), _params(clean_ckpt), strict=True):
+        for key in want:
+            assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
+
+
+@pytest.mark.timeout(600)
+def test_stall_is_detected_by_deadline_and_the_woken_rank_is_harmless(runs):
+    clean, _, clean_ckpt = runs("cold-r1", 4, ONE_BACKUP, "resilience.replicate_every=1")
+    result, log, ckpt = runs("stall", 4, ONE_BACKUP, "resilience.replicate_every=1",
+                             "resilience.deadline_s=1.5", "inject:stall:stage=1:step=7:seconds=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "has been replaced" in result.stderr  # the woken rank was told, and left
+    run = _open(log)
+    late = run.events_of("late")
+    assert late and late[0]["rank"] == 1 and late[0]["detail"]["how"] == "deadline"
+    assert run.events_of("takeover")[0]["detail"]["stage"] == 1
+    assert run.steps["samples"].sum() == STEPS * BATCH
+    # The stalled rank woke up mid-step and sent stale messages: none were taken.
+    for got, want in zip(_params(ckpt), _params(clean_ckpt), strict=True):
+        for key in want:
+            assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
+
+
+@pytest.mark.timeout(300)
+def test_kill_without_backup_stops_with_an_error_naming_the_stage(runs):
+    result, log, _ = runs("lost", 3, NO_BACKUP, "inject:kill:stage=1:step=5", timeout=120)
+    assert result.returncode != 0
+    assert "mpipipe train: error: stage 1" in result.stderr, result.stderr[-3000:]
+    assert "no backup" in result.stderr
+    run = _open(log)
+    assert run.attrs["status"].startswith("failed: stage 1")
+    assert run.events_of("stage_lost")[0]["detail"]["stage"] == 1
+    assert len(run.steps["step"]) >= 3  # the steps before the kill are all there
