@@ -57,7 +57,7 @@ def _model_and_batch(args: argparse.Namespace):
 def _balance(args: argparse.Namespace, model, x) -> list[int]:
     from mpipipe.partition import balance_by_time
 
-    return balance_by_time(model, x[: args.batch // args.chunks], K, repeat=3)
+    return balance_by_time(model, x[: args.batch // args.chunks], K)
 
 
 def _timed(step, warmup: int, steps: int, sync=lambda: None) -> float:
@@ -230,7 +230,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64, help="mini-batch size")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per mini-batch")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=4,
+    parser.add_argument("--rounds", type=int, default=6,
                         help="rounds; each variant's best round is reported")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
