@@ -1304,8 +1304,10 @@ out:
 /* per-thread jump buffer: the handler jumps back and the read fails with a  */
 /* ShardError. Faults outside a guarded read go to the previous handler.     */
 
-static _Thread_local sigjmp_buf *bus_env;
-static _Thread_local const void *bus_addr;
+/* initial-exec: the handler reads these without __tls_get_addr, which may allocate. */
+#define SHARD_TLS _Thread_local __attribute__((tls_model("initial-exec")))
+static SHARD_TLS sigjmp_buf *bus_env;
+static SHARD_TLS const void *bus_addr;
 static struct sigaction bus_prev;
 static int bus_installed;
 
