@@ -31,7 +31,7 @@ step "data: scikit-learn digits -> shards (data/digits), and the Stannis public/
 
 step "ResPipe: 3 stages + 1 backup of stage 1, stage 1 killed (SIGKILL) at step $KILL_STEP"
 $MPIRUN --with-ft ulfm -n 4 "$PY" -m mpipipe train --config jobs/configs/respipe-digits.toml \
-    --set "run.steps=$RESPIPE_STEPS" --inject "kill:stage=1:step=$KILL_STEP" --log "$OUT/respipe-kill.h5"
+    --set "run.steps=$RESPIPE_STEPS" --set "resilience.backups={1=1}" --inject "kill:stage=1:step=$KILL_STEP" --log "$OUT/respipe-kill.h5"
 
 step "plain pipeline: 3 stages, no backup, no fault (the baseline)"
 $MPIRUN -n 3 "$PY" -m mpipipe train --config jobs/configs/pipeline-digits.toml \

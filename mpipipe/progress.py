@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from typing import TextIO
@@ -15,6 +16,7 @@ class Progress:
 
     On a terminal the bar redraws in place; otherwise (Slurm output files,
     CI logs) a line is printed every ``every`` steps so the file stays short.
+    ``MPIPIPE_PROGRESS`` (``auto``, ``bar`` or ``lines``) overrides the choice.
     """
 
     def __init__(self, total: int, *, enabled: bool = True, every: int = 10, prog: str = "train",
@@ -24,7 +26,11 @@ class Progress:
         self.every = max(int(every), 1)
         self.prog = prog
         self.stream = stream or sys.stdout
-        self.tty = enabled and self.stream.isatty()
+        # Open MPI hands rank 0 a pseudo-terminal even when mpirun's own output
+        # goes to a file (a Slurm job's output): MPIPIPE_PROGRESS=lines forces
+        # plain lines there (the job scripts set it), =bar forces the bar.
+        mode = os.environ.get("MPIPIPE_PROGRESS", "auto")
+        self.tty = enabled and (mode == "bar" or (mode != "lines" and self.stream.isatty()))
         self._t0 = time.perf_counter()
 
     def update(self, step: int, *, loss: float = math.nan, samples_per_s: float = math.nan,
