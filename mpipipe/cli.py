@@ -120,7 +120,7 @@ def start_run(
     error = comm.bcast(error, root=0)
     if error:
         fail_fast(comm, error, prog, rank)
-    progress = Progress(total_steps(cfg), enabled=(rank == 0 and not args.quiet),
+    progress = Progress(total_steps(cfg), enabled=(rank == 0), quiet=args.quiet,
                         every=cfg["run"].get("log_every", 10), prog=prog)
     return Run(comm, rank, size, cfg, plan, log, progress, args, prog)
 

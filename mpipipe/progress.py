@@ -20,9 +20,10 @@ class Progress:
     """
 
     def __init__(self, total: int, *, enabled: bool = True, every: int = 10, prog: str = "train",
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, quiet: bool = False) -> None:
         self.total = max(int(total), 1)
-        self.enabled = enabled
+        self.enabled = enabled  # False on every rank but 0: nothing is printed
+        self.quiet = quiet  # --quiet: only the summary line is printed
         self.every = max(int(every), 1)
         self.prog = prog
         self.stream = stream or sys.stdout
@@ -30,13 +31,13 @@ class Progress:
         # goes to a file (a Slurm job's output): MPIPIPE_PROGRESS=lines forces
         # plain lines there (the job scripts set it), =bar forces the bar.
         mode = os.environ.get("MPIPIPE_PROGRESS", "auto")
-        self.tty = enabled and (mode == "bar" or (mode != "lines" and self.stream.isatty()))
+        self.tty = enabled and not quiet and (mode == "bar" or (mode != "lines" and self.stream.isatty()))
         self._t0 = time.perf_counter()
 
     def update(self, step: int, *, loss: float = math.nan, samples_per_s: float = math.nan,
                note: str = "") -> None:
         """Report that ``step`` (1-based count of completed steps) is done."""
-        if not self.enabled:
+        if not self.enabled or self.quiet:
             return
         extra = f"  {note}" if note else ""
         if self.tty:
@@ -55,7 +56,7 @@ class Progress:
 
     def message(self, text: str) -> None:
         """Print a line between bar redraws (an event, an evaluation)."""
-        if not self.enabled:
+        if not self.enabled or self.quiet:
             return
         if self.tty:
             self.stream.write("\r\033[K")
