@@ -1,16 +1,20 @@
 """Stannis benchmark: host only, equal batches, HyperTune and the ideal, measured in one run.
 
 One host and 4 emulated CSDs at 1/8 of the host's speed train LeNet on
-synthetic 3x32x32 images. Every figure comes from the same invocation, one
-variant after the other, because the machine is shared and noisy:
+synthetic 3x32x32 images. All figures come from one MPI job that runs the
+real Stannis trainer (`stannis.train.Trainer`) through alternating phases,
+three rounds of each, and reports the median, because the machine is shared
+and noisy and a figure measured a minute later is not comparable:
 
-* standalone samples/s of the host and of one CSD (this process, no MPI), at
-  the global batch size; the ideal is their sum over all ranks;
-* host only: ``python -m stannis train`` with no CSDs;
-* equal batches (Horovod's default) and HyperTune, 1 host + 4 CSDs;
-* in the HyperTune run, a ``slow`` fault halves one CSD's speed mid-run, and
-  the benchmark counts the steps until throughput (over 3 steps) is back
-  within 10% of the new ideal.
+* standalone: each rank trains alone (the others wait) at the batch size
+  HyperTune gave it; the ideal is the sum of their samples/s, i.e. perfect
+  overlap with no cost for synchronisation (per-sample cost depends on the
+  batch size, through overheads and caches, so each rank is timed at its own);
+* host only: the host trains alone at the global batch;
+* equal batches (Horovod's default) and HyperTune over host + 4 CSDs;
+* finally HyperTune again, with a ``slow`` fault that halves one CSD's speed;
+  ``retune_steps`` counts the steps from the fault until throughput over 3
+  steps is back within 10% of the new ideal.
 
 Samples per joule come from the power model (see docs/stannis.md).
 Run: ``python bench/stannis.py [--json]``.
@@ -34,10 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 SHAPE = (3, 32, 32)
 CSDS = 4
+ROUNDS = 3
+SLOW_RANK = 2
 
 
 def make_data(root: Path, seed: int = 0) -> None:
-    """Synthetic images and labels: public/{train,test} and csd1..csd4, as stannis prepare lays out."""
+    """Synthetic images and labels laid out as `stannis prepare` does."""
     from native import DatasetWriter
 
     rng = np.random.default_rng(seed)
@@ -50,43 +56,12 @@ def make_data(root: Path, seed: int = 0) -> None:
         w.close()
 
 
-def standalone_sps(data: Path, batch: int, slowdown: float, steps: int = 4) -> float:
-    """Samples/s of one rank training alone (no MPI), with the emulated slow-down."""
-    import torch
-
-    from mpipipe.models import build_model
-    from stannis.csd import Stretch
-    from stannis.data import BatchStream, open_split
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    reader = open_split(data / "public/train")
-    stream = BatchStream([(reader, np.arange(len(reader)))], seed=0)
-    model = build_model("lenet", 10, SHAPE)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    stretch = Stretch(slowdown)
-
-    def step() -> None:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        x, y = stream.next(batch)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        stretch.apply(time.thread_time() - c0, time.perf_counter() - t0)
-        opt.step()
-
-    step()  # warm-up
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return steps * batch / (time.perf_counter() - t)
-
-
 def write_config(path: Path, data: Path, args: argparse.Namespace) -> None:
     path.write_text(f"""
 [run]
-steps = 30
+steps = 100000
 eval_every = 0
-log_every = 1000
+log_every = 100000
 [data]
 path = "{data}"
 [model]
@@ -109,49 +84,149 @@ max_batch = 2048
 """)
 
 
-def train(config: Path, log: Path, n: int, *sets: str, inject: tuple[str, ...] = ()) -> None:
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMP_NUM_THREADS": "1", "OMPI_MCA_mpi_yield_when_idle": "1",
-           "PYTHONPATH": str(ROOT)}
-    cmd = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe", "-n", str(n),
-           sys.executable, "-m", "stannis", "train", "--config", str(config), "--log", str(log),
-           "--quiet"]
-    for s in sets:
-        cmd += ["--set", s]
-    for spec in inject:
-        cmd += ["--inject", spec]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if proc.returncode:
-        raise SystemExit(f"bench/stannis.py: a training run failed:\n{proc.stderr[-3000:]}")
+# ------------------------------------------------------------------ inside the MPI job
 
 
-def window(log: Path, first: int, last: int) -> tuple[float, float]:
-    """Samples/s and samples/J over steps first..last (1-based, inclusive)."""
-    from mpipipe.runlog import open_log
+def worker(args: argparse.Namespace) -> None:
+    from mpi4py import MPI
 
-    run = open_log(log)
-    steps, t, samples = run.steps["step"], run.steps["time"], run.steps["samples"]
-    sel = (steps >= first) & (steps <= last)
-    start = t[np.searchsorted(steps, first) - 1]  # end of the step before the window
-    sps = samples[sel].sum() / (t[sel][-1] - start)
-    joules = sum(r["joules"][(r["step"] >= first) & (r["step"] <= last)].sum()
-                 for r in run.ranks.values())
-    return float(sps), float(samples[sel].sum() / joules)
+    from mpipipe.cli import start_run
+    from stannis.config import STANNIS_CHOICES, STANNIS_DEFAULTS, emulation, stannis_plan
+    from stannis.train import Trainer, equal_split
+
+    ns = argparse.Namespace(config=args.config, set=[], log=args.log, quiet=True, resume=None,
+                            inject=[])
+    run = start_run(ns, prog="bench/stannis.py", system="stannis", defaults=STANNIS_DEFAULTS,
+                    choices=STANNIS_CHOICES, build_plan=stannis_plan,
+                    inject_key=("stannis", "inject"), emulation=emulation)
+    run.comm.Set_errhandler(MPI.ERRORS_RETURN)
+    tr = Trainer(run)
+    raw = run.comm  # bench coordination only; training traffic goes through tr.comm
+    cfg = tr.cfg
+    B = cfg["stannis"]["global_batch"]
+    rank = run.rank
+
+    def barrier() -> None:
+        req = raw.Ibarrier()
+        while not req.Test():
+            time.sleep(0.001)
+
+    def alone(who: int, batch: int, steps: int) -> float:
+        """Samples/s of rank ``who`` training alone while the others wait."""
+        barrier()
+        sps = 0.0
+        if rank == who:
+            tr._compute(batch)
+            tr.optimizer.step()
+            t = time.perf_counter()
+            for _ in range(steps):
+                tr._compute(batch)
+                tr.optimizer.step()
+            sps = steps * batch / (time.perf_counter() - t)
+        barrier()
+        return raw.bcast(sps, root=who)
+
+    def together(steps: int, tune: bool) -> tuple[float, float]:
+        """Samples/s and samples/J of host + CSDs over ``steps`` training steps."""
+        cfg["stannis"]["tune"] = tune
+        barrier()
+        before = {r: dict(t) for r, t in tr.totals.items()}
+        t = time.perf_counter()
+        for _ in range(steps):
+            tr._one_step(tr.step + steps + 10_000, cfg["stannis"], cfg["optim"])
+        wall = time.perf_counter() - t
+        samples = sum(tr.totals[r]["samples"] - before.get(r, {}).get("samples", 0)
+                      for r in tr.totals)
+        joules = sum(tr.totals[r]["joules"] - before.get(r, {}).get("joules", 0.0)
+                     for r in tr.totals)
+        out = (samples / wall, samples / joules if joules else 0.0) if rank == 0 else None
+        return raw.bcast(out, root=0)
+
+    def set_batches(batches: list[int]) -> None:
+        if rank == 0:
+            tr.batches = batches
+        tr._share_plan()
+
+    # The tuner's benchmark phase and first plan, as `stannis train` does.
+    cfg["stannis"]["tune"] = True
+    tr.benchmark()
+    if rank == 0:
+        tr._plan_batches("start")
+    tr._share_plan()
+    tuned_plan = list(tr.batches)
+
+    rounds = []
+    for _ in range(ROUNDS):
+        standalone = [alone(r, tuned_plan[r], 3 if r else 8) for r in range(run.size)]
+        host_only = alone(0, B, 6)
+        tr.comm.take()
+        # A host alone draws its own power only: the model's joules for the host.
+        host_spj = B / (tr.meter.model.active_w * B / host_only) if host_only else 0.0
+        set_batches(equal_split(B, run.size))
+        equal, equal_spj = together(8, tune=False)
+        set_batches(tuned_plan)
+        together(5, tune=True)  # settle after the switch back (includes a re-tune check)
+        tuned, tuned_spj = together(15, tune=True)
+        tuned_plan = list(tr.batches)
+        rounds.append({"standalone": standalone, "host_only": host_only, "host_spj": host_spj,
+                       "equal": equal, "equal_spj": equal_spj, "tuned": tuned,
+                       "tuned_spj": tuned_spj})
+
+    # One CSD slows down 2x mid-run: count steps until throughput recovers.
+    cfg["stannis"]["tune"] = True
+    barrier()
+    together(10, tune=True)
+    slow_step = tr.step + 1  # the first slowed step (1-based, as in the log)
+    if rank == SLOW_RANK:
+        tr.stretch.slow_by(2.0)
+    if rank == 0:
+        tr.log.event("fault_injected", step=slow_step, rank=SLOW_RANK,
+                         spec=f"slow:rank={SLOW_RANK}:factor=2")
+    together(40, tune=True)
+    if rank == 0:
+        result = summarise(rounds, tr.history, slow_step, args)
+        Path(args.out).write_text(json.dumps(result))
+        tr.log.set_attr("summary", result)
+    tr.log.drain()
+    run.log.close()
 
 
-def steps_to_recover(log: Path, slow_step: int, target_sps: float, span: int = 3) -> int | None:
-    """Steps after the first slowed step until throughput over ``span`` steps reaches target."""
-    from mpipipe.runlog import open_log
-
-    run = open_log(log)
-    steps, t, samples = run.steps["step"], run.steps["time"], run.steps["samples"]
-    for i in range(len(steps)):
-        if steps[i] < slow_step + span - 1 or i < span:
+def summarise(rounds: list[dict], history: list[tuple[int, int, float]], slow_step: int,
+              args: argparse.Namespace) -> dict:
+    med = {k: float(np.median([r[k] for r in rounds]))
+           for k in ("host_only", "host_spj", "equal", "equal_spj", "tuned", "tuned_spj")}
+    standalone = np.median(np.array([r["standalone"] for r in rounds]), axis=0)
+    ideal = float(standalone.sum())
+    new_ideal = ideal - standalone[SLOW_RANK] / 2
+    steps = [h[0] for h in history]
+    retune_steps = None
+    span = 3
+    for i in range(span, len(history)):
+        if steps[i] < slow_step + span - 1:
             continue
-        sps = samples[i - span + 1:i + 1].sum() / (t[i] - t[i - span])
-        if sps >= target_sps:
-            return int(steps[i] - slow_step + 1)
-    return None
+        sps = sum(h[1] for h in history[i - span + 1:i + 1]) / (history[i][2] - history[i - span][2])
+        if sps >= 0.9 * new_ideal:
+            retune_steps = steps[i] - slow_step + 1
+            break
+    return {
+        "host_only_sps": round(med["host_only"], 1),
+        "equal_sps": round(med["equal"], 1),
+        "tuned_sps": round(med["tuned"], 1),
+        "ideal_sps": round(ideal, 1),
+        "tuned_vs_ideal": round(med["tuned"] / ideal, 3),
+        "tuned_vs_equal": round(med["tuned"] / med["equal"], 3),
+        "tuned_vs_host_only": round(med["tuned"] / med["host_only"], 3),
+        "retune_steps": retune_steps,
+        "equal_spj": round(med["equal_spj"], 2),
+        "tuned_spj": round(med["tuned_spj"], 2),
+        "_detail": {"standalone_sps": [round(float(x), 1) for x in standalone],
+                    "host_only_spj": round(med["host_spj"], 2),
+                    "rounds": rounds, "global_batch": args.global_batch,
+                    "slowdown": args.slowdown},
+    }
+
+
+# ------------------------------------------------------------------ the launcher
 
 
 def main() -> int:
@@ -159,61 +234,53 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--global-batch", type=int, default=768)
     parser.add_argument("--slowdown", type=float, default=8.0, help="CSD slow-down factor")
-    parser.add_argument("--keep", metavar="DIR", help="keep data and logs in DIR")
+    parser.add_argument("--keep", metavar="DIR", help="keep the data and the run log in DIR")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--log", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
 
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="stannis-bench-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    data = tmp / "data"
-    make_data(data)
-    config = tmp / "bench.toml"
-    write_config(config, data, args)
-    B = args.global_batch
-
-    host_alone = standalone_sps(data, B, 1.0)
-    csd_alone = standalone_sps(data, B, args.slowdown, steps=2)
-    ideal = host_alone + CSDS * csd_alone
-
-    train(config, tmp / "host.h5", 1, "stannis.csds=0", "stannis.tune=false", "run.steps=20")
-    host_only, host_spj = window(tmp / "host.h5", 6, 20)
-    train(config, tmp / "equal.h5", 1 + CSDS, "stannis.tune=false", "run.steps=25")
-    equal, equal_spj = window(tmp / "equal.h5", 6, 25)
-    slow_at = 40  # 0-based step index of the fault = 1-based step 41
-    train(config, tmp / "tuned.h5", 1 + CSDS, "stannis.tune=true", "run.steps=75",
-          inject=(f"slow:rank=2:step={slow_at}:factor=2",))
-    tuned, tuned_spj = window(tmp / "tuned.h5", 16, slow_at)
-    new_ideal = ideal - csd_alone / 2
-    retune_steps = steps_to_recover(tmp / "tuned.h5", slow_at + 1, 0.9 * new_ideal)
-
-    result = {
-        "host_only_sps": round(host_only, 1),
-        "equal_sps": round(equal, 1),
-        "tuned_sps": round(tuned, 1),
-        "ideal_sps": round(ideal, 1),
-        "tuned_vs_ideal": round(tuned / ideal, 3),
-        "tuned_vs_equal": round(tuned / equal, 3),
-        "tuned_vs_host_only": round(tuned / host_only, 3),
-        "retune_steps": retune_steps,
-        "equal_spj": round(equal_spj, 2),
-        "tuned_spj": round(tuned_spj, 2),
-    }
+    make_data(tmp / "data")
+    write_config(tmp / "bench.toml", tmp / "data", args)
+    out = tmp / "result.json"
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMP_NUM_THREADS": "1", "OMPI_MCA_mpi_yield_when_idle": "1",
+           "PYTHONPATH": str(ROOT)}
+    cmd = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe", "-n", str(1 + CSDS),
+           sys.executable, str(Path(__file__).resolve()), "--worker",
+           "--global-batch", str(args.global_batch), "--slowdown", str(args.slowdown),
+           "--config", str(tmp / "bench.toml"), "--log", str(tmp / "bench.h5"),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    if proc.returncode or not out.exists():
+        print(f"bench/stannis.py: the MPI job failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return 1
+    result = json.loads(out.read_text())
+    detail = result.pop("_detail")
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"Stannis benchmark: 1 host + {CSDS} emulated CSDs at 1/{args.slowdown:g} speed, "
-          f"LeNet 3x32x32, global batch {B}")
-    print(f"  standalone samples/s: host {host_alone:,.0f}, one CSD {csd_alone:,.0f}")
-    rows = [("host only", host_only, host_spj), ("equal batches", equal, equal_spj),
-            ("HyperTune", tuned, tuned_spj), ("ideal", ideal, float("nan"))]
+          f"LeNet 3x32x32, global batch {args.global_batch}, median of {ROUNDS} rounds")
+    print("  standalone samples/s per rank: " + ", ".join(f"{x:,.0f}"
+                                                         for x in detail["standalone_sps"]))
     print(f"  {'variant':<14} {'samples/s':>10} {'samples/J':>10}")
+    rows = [("host only", result["host_only_sps"], detail["host_only_spj"]),
+            ("equal batches", result["equal_sps"], result["equal_spj"]),
+            ("HyperTune", result["tuned_sps"], result["tuned_spj"]),
+            ("ideal", result["ideal_sps"], float("nan"))]
     for name, sps, spj in rows:
         print(f"  {name:<14} {sps:>10,.0f} {spj:>10.2f}")
     print(f"  HyperTune / ideal {result['tuned_vs_ideal']:.2f}, / equal "
           f"{result['tuned_vs_equal']:.2f}, / host only {result['tuned_vs_host_only']:.2f}")
-    print(f"  one CSD slowed 2x at step {slow_at + 1}: back within 10% of the new ideal "
-          f"after {retune_steps} steps")
-    if not args.keep:
-        print(f"  logs: {tmp}")
+    print(f"  one CSD slowed 2x: back within 10% of the new ideal after "
+          f"{result['retune_steps']} steps")
     return 0
 
 

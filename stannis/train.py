@@ -20,6 +20,7 @@ from mpipipe.models import build_model
 
 from .allreduce import WeightedAllreduce
 from .audit import AuditedComm
+from .background_log import BackgroundLog
 from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, csd_dir, csd_profile, emulation, stannis_plan
 from .csd import Stretch
 from .data import BatchStream, DataError, open_split
@@ -65,6 +66,7 @@ class Trainer:
         self.role = run.plan.role_of(run.rank)
         self.is_host = self.role.kind == "host"
         self.comm = AuditedComm(run.comm)
+        self.log = BackgroundLog(run.log)
         self.members = list(range(run.size))  # world ranks of the current communicator
         self.world_group = run.comm.Get_group()
         seed = cfg["run"]["seed"]
@@ -135,6 +137,7 @@ class Trainer:
         self.last_change: list[int] = []
         self.last_change_step = 0
         self._cycle: float | None = None  # end of the last gradient exchange
+        self.history: list[tuple[int, int, float]] = []  # host: (step, samples, end time)
         self.totals = {r: {"samples": 0, "joules": 0.0, "busy_s": 0.0} for r in self.members}
         self.step = 0
 
@@ -183,7 +186,7 @@ class Trainer:
 
     def _fault_logger(self, rank: int):
         def log(fault: Any, step: int, detail: dict) -> None:
-            self.run.log.event("fault_injected", step=step + 1, rank=rank, spec=str(fault),
+            self.log.event("fault_injected", step=step + 1, rank=rank, spec=str(fault),
                                **detail)
         return log
 
@@ -222,7 +225,7 @@ class Trainer:
             for pos, r in enumerate(self.members):
                 bs, ts = table[pos, 0::2], table[pos, 1::2]
                 self.profiles[r] = self._rank_profile(r, fit_step_model(list(bs), list(ts)))
-            self.run.log.event("benchmark", step=0, models={
+            self.log.event("benchmark", step=0, models={
                 r: {"overhead_s": p.model.overhead_s, "per_sample_s": p.model.per_sample_s}
                 for r, p in self.profiles.items()})
 
@@ -249,7 +252,7 @@ class Trainer:
         self.batches = new
         self.window = {r: deque(maxlen=s["retune_every"]) for r in self.members}
         if old != new:
-            self.run.log.event("retune", step=self.step, reason=reason, ranks=self.members,
+            self.log.event("retune", step=self.step, reason=reason, ranks=self.members,
                                old=old, new=new, predicted_sps=predicted)
             self.run.progress.message(f"step {self.step}: batches {old} -> {new} ({reason})")
 
@@ -318,7 +321,7 @@ class Trainer:
         self.optimizer.state.clear()
         if self.is_host:
             for r in dead:
-                self.run.log.event("csd_dropped", step=self.step, rank=r, error=str(error),
+                self.log.event("csd_dropped", step=self.step, rank=r, error=str(error),
                                    samples_lost=self.records.get(r, 0),
                                    recovery_s=time.perf_counter() - t0)
                 self.run.progress.message(
@@ -339,7 +342,7 @@ class Trainer:
         if self.is_host:
             self._plan_batches("start" if s["tune"] else "equal batches")
             for r in self.members:
-                self.run.log.event("energy_source", step=0, rank=r, source=self.sources[r])
+                self.log.event("energy_source", step=0, rank=r, source=self.sources[r])
         self._share_plan()
         self.comm.take()
         self.t_train = time.perf_counter()  # samples/s in the summary counts training only
@@ -359,6 +362,7 @@ class Trainer:
         if self.is_host:
             accuracy = self.evaluate()
             self._summary(accuracy)
+        self.log.drain()
 
     def _one_step(self, steps: int, s: dict, o: dict) -> None:
         index = self.step  # 0-based, as fault specs count
@@ -369,7 +373,7 @@ class Trainer:
                     shadow.at_step(index)
             for f in self.faults.all:
                 if f.kind == "slow" and f.step == index and f.rank in self.members:
-                    self.run.log.event("fault_injected", step=index + 1, rank=f.rank,
+                    self.log.event("fault_injected", step=index + 1, rank=f.rank,
                                        spec=str(f), factor=f.factor)
         t_start = time.perf_counter()
         self.meter.start()
@@ -428,9 +432,10 @@ class Trainer:
             t["busy_s"] += fig["compute_s"]
         loss = loss_sum / total_b if total_b else math.nan
         sps = total_b / wall if wall > 0 else math.nan
-        self.run.log.step(self.step, loss=loss, samples=total_b, samples_per_s=sps, ranks=ranks)
+        self.log.step(self.step, loss=loss, samples=total_b, samples_per_s=sps, ranks=ranks)
         self.run.progress.update(self.step, loss=loss, samples_per_s=sps)
         self.last_loss = loss
+        self.history.append((self.step, total_b, time.perf_counter()))
 
     def evaluate(self) -> float:
         """Host: accuracy on the public test split."""
@@ -445,7 +450,7 @@ class Trainer:
                 count += len(y)
         self.model.train()
         accuracy = correct / max(count, 1)
-        self.run.log.eval(self.step, accuracy=accuracy, loss=loss / max(count, 1))
+        self.log.eval(self.step, accuracy=accuracy, loss=loss / max(count, 1))
         self.run.progress.message(f"step {self.step}: test accuracy {accuracy:.4f}")
         return accuracy
 
@@ -469,7 +474,7 @@ class Trainer:
             "ranks": per_rank, "grad_bytes": self.reducer.payload_bytes,
             "control_bytes": FIG_BYTES,
         }
-        self.run.log.set_attr("summary", summary)
+        self.log.set_attr("summary", summary)
         self.run.progress.summary(steps=self.step, samples_per_s=summary["samples_per_s"],
                                   samples_per_joule=summary["samples_per_joule"],
                                   accuracy=accuracy, log=str(self.run.log.path))
@@ -481,10 +486,13 @@ def main(args: argparse.Namespace) -> int:
                     choices=STANNIS_CHOICES, build_plan=stannis_plan,
                     inject_key=("stannis", "inject"), emulation=emulation)
     run.comm.Set_errhandler(MPI.ERRORS_RETURN)
+    trainer = None
     try:
         trainer = Trainer(run)
         trainer.train()
     except (TuneError, DataError) as e:
+        if trainer is not None:
+            trainer.log.drain()
         run.fail(e)
     except HostLost as e:
         print(f"{PROG}: error: {e}", flush=True)
