@@ -300,3 +300,25 @@ def test_steady_state_reads_allocate_no_buffers(shard):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak - base < 1000  # less than one batch: no buffers, only small views
+
+
+@pytest.mark.parametrize("verify", ["first", "always", "never"])
+def test_cifar_sized_records_every_batch_size(tmp_path, verify):
+    """Records with a big field take the grouped copy path (4 records side by side)."""
+    rng = np.random.default_rng(9)
+    recs = {
+        "image": rng.integers(0, 256, (700, 3, 32, 32), dtype=np.uint8),
+        "label": rng.integers(0, 10, 700),
+    }
+    schema = {"image": ("uint8", (3, 32, 32)), "label": ("int64", ())}
+    with native.DatasetWriter(tmp_path / "ds", schema, shard_records=300) as w:
+        w.write(recs)
+    ds = native.open_dataset(tmp_path / "ds", verify=verify)
+    out = ds.empty(64)
+    for n in (1, 2, 3, 4, 5, 7, 8, 63, 64):
+        idx = rng.integers(0, 700, n)
+        b = ds.read(idx, out=out)
+        np.testing.assert_array_equal(b["image"], recs["image"][idx])
+        np.testing.assert_array_equal(b["label"], recs["label"][idx])
+    b = ds.read(np.arange(280, 344))  # in order, across a shard boundary
+    np.testing.assert_array_equal(b["image"], recs["image"][280:344])
