@@ -144,6 +144,8 @@ class Pipeline:
         old = self.transport
         old.discard()
         self.transport = Transport(comm, route.generation)
+        # requests given up on keep their buffers alive for as long as this pipeline lives
+        self.transport._abandoned = old._abandoned
         if comm is self.comm:
             self.transport.bytes_sent.update(old.bytes_sent)
             self.transport.bytes_recv.update(old.bytes_recv)
