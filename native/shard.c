@@ -912,7 +912,9 @@ static inline shard_t *locate(shard_t *const *shards, const uint64_t *starts, si
 }
 
 #ifdef SHARD_X86
+#ifndef GROUP
 #define GROUP 4
+#endif
 
 /* Copy one big field of up to GROUP records at once, 64 bytes of each in turn, while
  * prefetching the next group's records line by line. Copying several records side
