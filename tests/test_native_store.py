@@ -322,3 +322,30 @@ def test_cifar_sized_records_every_batch_size(tmp_path, verify):
         np.testing.assert_array_equal(b["label"], recs["label"][idx])
     b = ds.read(np.arange(280, 344))  # in order, across a shard boundary
     np.testing.assert_array_equal(b["image"], recs["image"][280:344])
+
+
+class _Records:
+    """A map-style torch dataset over a shard reader (module level: workers pickle it)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __len__(self):
+        return len(self.reader)
+
+    def __getitem__(self, i):
+        return self.reader[i]["label"]
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_workers_read_the_shard(shard):
+    torch = pytest.importorskip("torch")
+    path, recs = shard
+    loader = torch.utils.data.DataLoader(
+        _Records(native.ShardReader(path)),
+        batch_size=50,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
+    got = torch.cat(list(loader)).numpy()
+    np.testing.assert_array_equal(got, recs["label"])
