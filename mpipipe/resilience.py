@@ -125,10 +125,6 @@ class Settings:
         return cls(_backup_counts(sec.get("backups", {}), stages), r, sec["mode"],
                    float(sec["deadline_s"]), float(sec["deadline_factor"]), faults)
 
-    @property
-    def grace_s(self) -> float:
-        """How long a round waits for silent ranks before it leaves them out."""
-        return min(max(0.5 * self.deadline_s, 0.2), 5.0)
 
 
 # -- replicas --------------------------------------------------------------------------------
@@ -395,7 +391,7 @@ class ResPipe:
     def _deadline(self) -> float:
         s = self.settings
         if s.deadline_factor > 0 and len(self.step_times) >= 5:
-            return max(s.deadline_factor * statistics.median(self.step_times), 0.05)
+            return max(s.deadline_factor * statistics.median(self.step_times), 0.1)
         return s.deadline_s
 
     def _say(self, text: str) -> None:
@@ -491,6 +487,9 @@ class ResPipe:
         self.total = total_steps
         if self.is_logger:
             self._log_cost_model()
+        # Backups warmed up in the constructor; start together so that no deadline of the
+        # first step counts their start-up.
+        self.data.Barrier()
         t_start = time.time()
         self.eval_every = eval_every
         while True:
@@ -870,7 +869,10 @@ class ResPipe:
         self._early = {}
         dead = int(mine[10])
         start = time.perf_counter()
-        grace = self.settings.grace_s
+        # How long a round waits for silent ranks before it leaves them out: a deadline,
+        # at least half a second, so that ranks that merely wait for a core (many ranks
+        # on few cores) are not taken for stalled ones.
+        grace = min(max(self._deadline(), 0.5), 5.0)
         decision = None
         while decision is None:
             if self._demoted():
@@ -888,7 +890,10 @@ class ResPipe:
             silent = [w for w in self.members if w not in heard and not (dead >> w) & 1]
             waited = time.perf_counter() - start
             coordinator = min(heard)
-            if coordinator == self.wrank and (not silent or waited > grace):
+            # Leaving out a majority is more likely this rank's own isolation than theirs:
+            # wait longer before doing so.
+            patience = grace if len(silent) < len(self.members) / 2 else 4 * grace
+            if coordinator == self.wrank and (not silent or waited > patience):
                 decision = self._decide(heard, dead, silent)
                 for w in decision["members"]:
                     if w != self.wrank:
@@ -904,7 +909,7 @@ class ResPipe:
                 if msg is not None:
                     decision = self._read_decision(msg)
                     break
-            if decision is None and waited > 4 * grace + 2.0:
+            if decision is None and waited > 8 * grace + 2.0:
                 # The coordinator we expected went silent too: leave it out and go on.
                 heard.pop(coordinator, None)
                 if coordinator == self.wrank:
@@ -1276,7 +1281,11 @@ def train(run: Any) -> int:
               f"the job without sending anything", file=sys.stderr, flush=True)
         if log.active:
             log.close(f"failed: rank 0 was replaced ({e})")
-        return 0
+        # Leave without MPI_Finalize, whose world-wide agreement would wait for ranks
+        # that have moved on (or, after a lost stage, exited with an error).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     elapsed = time.perf_counter() - t0
     if log.active:
         batch = cfg["data"]["batch_size"]

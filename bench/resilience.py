@@ -1,0 +1,216 @@
+"""ResPipe resilience on the digits, K = 3: overhead, recovery from a kill and a stall, straggling.
+
+    python bench/resilience.py            # a table, and a PNG of accuracy against time
+    python bench/resilience.py --json     # one JSON line
+    python bench/resilience.py --out runs/resilience.png --steps 600
+
+Every figure is measured in this one run (nine short training jobs launched with
+`mpirun --with-ft ulfm`) and reported as a ratio or a time relative to its own
+run, because the machine is shared and noisy:
+
+- overhead_r1, overhead_r10, overhead_hot: failure-free time per sample with one
+  backup per stage (cold R=1, cold R=10, hot R=10), over the plain pipeline's, minus 1
+  (median step times, so a few slow steps do not count)
+- recovery_s: from the SIGKILL of stage 1 (R=10, one backup per stage) to the next
+  completed step; final_accuracy_kill against final_accuracy_clean (same run without
+  the kill); baseline_kill_outcome: what the plain pipeline did with the same kill
+- stall_recovery_steps: from the stall of stage 1 to the next completed step, in
+  median step times (deadline = 5 x median step time)
+- time_to_accuracy_respipe / _baseline: seconds to reach the accuracy target when
+  stage 1 straggles (p = 0.1 per step, 0.5 s each): ResPipe replaces it after its first
+  late step; the plain pipeline waits every time
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BATCH = 32
+TARGET = 0.90  # accuracy for the time-to-accuracy figures
+ALL = "resilience.backups={0 = 1, 1 = 1, 2 = 1}"
+NONE = "resilience.backups={}"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    return env
+
+
+def _train(work: Path, name: str, ranks: int, steps: int, *settings: str,
+           ulfm: bool = True) -> tuple[subprocess.CompletedProcess, Path]:
+    log = work / f"{name}.h5"
+    cmd = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe", "-x", "PYTHONPATH"]
+    if ulfm:
+        cmd += ["--with-ft", "ulfm"]
+    cmd += ["-n", str(ranks), sys.executable, "-m", "mpipipe", "train", "--quiet",
+            "--config", str(ROOT / "jobs" / "configs" / "respipe-digits.toml"),
+            "--set", f'data.path="{work / "digits"}"', "--set", f"run.steps={steps}",
+            "--set", f"run.eval_every={max(steps // 24, 1)}", "--set", f"data.batch_size={BATCH}",
+            "--log", str(log)]
+    for s in settings:
+        cmd += ["--inject", s[7:]] if s.startswith("inject:") else ["--set", s]
+    result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                            timeout=60 + steps)
+    return result, log
+
+
+def _median_step_s(log: Path) -> float:
+    from mpipipe.runlog import open_log
+
+    t = open_log(log).steps["time"]
+    return statistics.median(b - a for a, b in zip(t[:-1], t[1:], strict=True))
+
+
+def _final_accuracy(log: Path) -> float:
+    from mpipipe.runlog import open_log
+
+    acc = open_log(log).eval["accuracy"]
+    return float(acc[-1]) if len(acc) else math.nan
+
+
+def _time_to(log: Path, target: float) -> float:
+    from mpipipe.runlog import open_log
+
+    run = open_log(log)
+    t0 = float(run.steps["time"][0]) if len(run.steps["time"]) else 0.0
+    for t, a in zip(run.eval["time"], run.eval["accuracy"], strict=True):
+        if a >= target:
+            return float(t) - t0
+    return math.nan
+
+
+def _event(log: Path, kind: str) -> dict:
+    from mpipipe.runlog import open_log
+
+    found = open_log(log).events_of(kind)
+    return found[0]["detail"] if found else {}
+
+
+def _outcome(result: subprocess.CompletedProcess, log: Path) -> str:
+    from mpipipe.runlog import open_log
+
+    run = open_log(log)
+    steps = int(run.steps["step"][-1]) if len(run.steps["step"]) else 0
+    error = next((line.split("error: ", 1)[1] for line in result.stderr.splitlines()
+                  if "error: " in line), "")
+    if result.returncode == 0:
+        return f"completed {steps} steps"
+    return f"stopped after step {steps} (exit {result.returncode}): {error.split(':')[0]}"
+
+
+def measure(steps: int, work: Path) -> tuple[dict, dict[str, Path]]:
+    """Run the nine jobs; return the figures and the logs by name."""
+    subprocess.run([sys.executable, "-m", "native.convert", "digits", str(work / "digits")],
+                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=120)
+    kill_at, stall_at = steps // 2, steps // 2
+    jobs = {
+        "plain": (3, (NONE,), False),
+        "r1": (6, (ALL, "resilience.replicate_every=1"), False),
+        "r10": (6, (ALL, "resilience.replicate_every=10"), False),
+        "hot": (6, (ALL, "resilience.replicate_every=10", 'resilience.mode="hot"'), False),
+        "kill": (6, (ALL, "resilience.replicate_every=10", f"inject:kill:stage=1:step={kill_at}"),
+                 True),
+        "plain_kill": (3, (NONE, f"inject:kill:stage=1:step={kill_at}"), True),
+        "stall": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=5",
+                      f"inject:stall:stage=1:step={stall_at}:seconds=3"), True),
+        "delay": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=5",
+                      "inject:delay:stage=1:p=0.1:seconds=0.5"), True),
+        "plain_delay": (3, (NONE, "inject:delay:stage=1:p=0.1:seconds=0.5"), True),
+    }
+    logs, results = {}, {}
+    for name, (ranks, settings, ulfm) in jobs.items():
+        results[name], logs[name] = _train(work, name, ranks, steps, *settings, ulfm=ulfm)
+        ok = name == "plain_kill" or results[name].returncode == 0
+        if not ok:
+            raise RuntimeError(f"job {name} failed: {results[name].stderr[-2000:]}")
+    base = _median_step_s(logs["plain"])
+    stall = _event(logs["stall"], "takeover_recovered")
+    kill = _event(logs["kill"], "takeover_recovered")
+    figures = {
+        "overhead_r1": _median_step_s(logs["r1"]) / base - 1,
+        "overhead_r10": _median_step_s(logs["r10"]) / base - 1,
+        "overhead_hot": _median_step_s(logs["hot"]) / base - 1,
+        "recovery_s": kill.get("recovery_s", math.nan),
+        "final_accuracy_kill": _final_accuracy(logs["kill"]),
+        "final_accuracy_clean": _final_accuracy(logs["r10"]),
+        "baseline_kill_outcome": _outcome(results["plain_kill"], logs["plain_kill"]),
+        "stall_recovery_steps": stall.get("recovery_s", math.nan) / _median_step_s(logs["r10"]),
+        "time_to_accuracy_respipe": _time_to(logs["delay"], TARGET),
+        "time_to_accuracy_baseline": _time_to(logs["plain_delay"], TARGET),
+    }
+    return figures, logs
+
+
+def plot(logs: dict[str, Path], out: Path) -> None:
+    """Accuracy against time: clean, kill with a backup, the plain pipeline with the kill."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mpipipe.runlog import open_log
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, names, title in (
+            (ax1, [("r10", "failure-free (ResPipe R=10)"), ("kill", "kill stage 1, backup"),
+                   ("plain_kill", "kill stage 1, plain pipeline")], "a dead stage"),
+            (ax2, [("delay", "ResPipe (deadline 5x median)"),
+                   ("plain_delay", "plain pipeline (waits)")], "stage 1 straggles (p=0.1, 0.5 s)")):
+        for name, label in names:
+            run = open_log(logs[name])
+            t0 = float(run.steps["time"][0]) if len(run.steps["time"]) else 0.0
+            ax.plot(run.eval["time"] - t0, run.eval["accuracy"], marker=".", label=label)
+            for e in run.events:
+                if e["kind"] in ("takeover", "stage_lost"):
+                    ax.axvline(e["time"] - t0, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("seconds since the first step")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle("ResPipe on digits, LeNet in 3 stages (dotted: takeover or lost stage)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="one JSON line")
+    parser.add_argument("--steps", type=int, default=600, help="steps per job (default 600)")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "resilience.png"),
+                        help="where the accuracy-against-time plot goes")
+    parser.add_argument("--keep", metavar="DIR", help="keep the run logs in DIR")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="respipe-bench-") as tmp:
+        work = Path(args.keep) if args.keep else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        figures, logs = measure(args.steps, work)
+        plot(logs, Path(args.out))
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    width = max(len(k) for k in figures)
+    for key, value in figures.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        print(f"{key.ljust(width)}  {shown}")
+    print(f"plot: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
