@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from collections import deque
 from typing import Any
@@ -86,6 +87,11 @@ class Trainer:
             self.stretch = Stretch(self.profile.slowdown)
             self.max_batch = cfg["csd"]["max_batch"]
             energy_source, emulated = "auto", self.profile.emulated
+            if emulated and cfg["csd"]["nice"] > 0:
+                # A real CSD computes on the drive's own cores. Here its compute shares
+                # the machine with the host, so it runs at low priority: it uses the
+                # cores the host leaves idle instead of taking the host's.
+                os.nice(cfg["csd"]["nice"])
         torch.set_num_threads(threads)
 
         # Each rank opens only its own data; the verdicts are shared so that every
