@@ -17,7 +17,7 @@ run, because the machine is shared and noisy:
 - stall_recovery_steps: from the stall of stage 1 to the next completed step, in
   median step times (deadline = 5 x median step time)
 - time_to_accuracy_respipe / _baseline: seconds to reach the accuracy target when
-  stage 1 straggles (p = 0.1 per step, 0.5 s each): ResPipe replaces it after its first
+  stage 1 straggles (p = 0.1 per step, 2 s each): ResPipe replaces it after its first
   late step; the plain pipeline waits every time
 """
 
@@ -128,8 +128,8 @@ def measure(steps: int, work: Path) -> tuple[dict, dict[str, Path]]:
         "stall": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=5",
                       f"inject:stall:stage=1:step={stall_at}:seconds=3"), True),
         "delay": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=5",
-                      "inject:delay:stage=1:p=0.1:seconds=0.5"), True),
-        "plain_delay": (3, (NONE, "inject:delay:stage=1:p=0.1:seconds=0.5"), True),
+                      "inject:delay:stage=1:p=0.1:seconds=2"), True),
+        "plain_delay": (3, (NONE, "inject:delay:stage=1:p=0.1:seconds=2"), True),
     }
     logs, results = {}, {}
     for name, (ranks, settings, ulfm) in jobs.items():
@@ -169,7 +169,7 @@ def plot(logs: dict[str, Path], out: Path) -> None:
             (ax1, [("r10", "failure-free (ResPipe R=10)"), ("kill", "kill stage 1, backup"),
                    ("plain_kill", "kill stage 1, plain pipeline")], "a dead stage"),
             (ax2, [("delay", "ResPipe (deadline 5x median)"),
-                   ("plain_delay", "plain pipeline (waits)")], "stage 1 straggles (p=0.1, 0.5 s)")):
+                   ("plain_delay", "plain pipeline (waits)")], "stage 1 straggles (p=0.1, 2 s)")):
         for name, label in names:
             run = open_log(logs[name])
             t0 = float(run.steps["time"][0]) if len(run.steps["time"]) else 0.0

@@ -39,7 +39,8 @@ class Fault:
     ``kill``: SIGKILL the target's process at the start of ``step`` (a real crash).
     ``stall``: the target stops responding (sleeps outside MPI) for ``seconds`` at ``step``.
     ``delay``: at every step (from ``step``, default 0) the target sleeps ``seconds``
-    with probability ``p`` (seeded, so a run is repeatable).
+    with probability ``p`` (seeded, so a run is repeatable; a replayed step is not
+    delayed again).
     ``slow``: from ``step`` on the target's compute takes ``factor`` times longer.
     Steps are 0-based optimizer steps.
     """
@@ -165,8 +166,8 @@ class FaultPlan:
     def at_step(self, step: int) -> float:
         """Fire this process's faults due at ``step``; returns the seconds it slept.
 
-        ``kill`` does not return. One-shot faults (kill, stall) fire once even if
-        the step is replayed after a takeover.
+        ``kill`` does not return. Every fault fires at most once per step, even if the
+        step is replayed after a takeover.
         """
         slept = 0.0
         for i, f in enumerate(self.mine):
@@ -179,7 +180,10 @@ class FaultPlan:
                     return slept  # only reached when kill is replaced in tests
                 self._sleep(f.seconds)
                 slept += f.seconds
-            elif f.kind == "delay" and step >= f.step:
+            elif f.kind == "delay" and step >= f.step and (i, step) not in self._fired:
+                # Once per step: a replayed step does not straggle again (else a delay
+                # shorter than detection plus agreement would replay forever).
+                self._fired.add((i, step))
                 target = f.stage if f.stage is not None else 10_000 + (f.rank or 0)
                 rng = np.random.default_rng([self.seed, i, target, step])
                 if rng.random() < f.p:

@@ -63,6 +63,11 @@ _CTL_LEN = 256
 _REASONS = {0: "none", 1: "late", 2: "failed", 3: "revoked", 4: "announced"}
 _BACKUP_POLL_S = 0.02
 _DEBUG = bool(os.environ.get("MPIPIPE_DEBUG_ROUNDS"))
+if _DEBUG:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack
 
 
 class StageLost(RuntimeError):
@@ -114,9 +119,8 @@ class Settings:
         if float(sec["deadline_factor"]) < 0:
             raise ValueError("resilience.deadline_factor must be >= 0 (0: fixed deadline only)")
         if sec["mode"] == "neighbour" and _backup_counts(sec.get("backups", {}), stages):
-            raise ValueError("resilience.mode = \"neighbour\": the cost model covers it "
-                             "(python -m mpipipe cost) but takeover by the neighbouring stage "
-                             "is not implemented yet; use cold or hot")
+            raise ValueError("resilience.mode = \"neighbour\" needs no backup ranks (each "
+                             "stage's neighbour holds its replica): set resilience.backups = {}")
         faults = tuple(parse_all(sec.get("inject", [])))
         for f in faults:
             if f.stage is not None and f.stage >= stages:
@@ -340,7 +344,8 @@ class ResPipe:
         role = plan.role_of(self.wrank)
         self.stage: int | None = role.index if role.kind == "stage" else None
         self.shadowing: int | None = role.index if role.kind == "backup" else None
-        self.ward: int | None = None  # neighbour mode: the stage whose replica this stage holds
+        self.wards: list[int] = []  # neighbour mode: stages whose replicas this stage holds
+        self.ward_slots: dict[int, list[_Slot]] = {}
         self.done = 0
         self.snapshot: _Slot | None = None
         self.slots: list[_Slot] = []  # held replicas (backup or neighbour), newest last
@@ -403,18 +408,16 @@ class ResPipe:
     def _holders_of(self, stage: int) -> list[int]:
         """World ranks that hold a replica of ``stage``."""
         if self.settings.mode == "neighbour":
-            if stage not in self.settings.backups or self.pipe.k < 2:
+            # Every stage is held by the previous one (stage 0 by stage 1), as in Bamboo.
+            if self.pipe.k < 2:
                 return []
             return [self.route_w[stage - 1] if stage > 0 else self.route_w[1]]
         return list(self.backups_w.get(stage, []))
 
-    def _ward_of(self, world_rank: int) -> int | None:
+    def _wards_of(self, world_rank: int) -> list[int]:
         if self.settings.mode != "neighbour":
-            return None
-        for k in range(self.pipe.k):
-            if world_rank in self._holders_of(k):
-                return k
-        return None
+            return []
+        return [k for k in range(self.pipe.k) if world_rank in self._holders_of(k)]
 
     def _rebind_pipe(self) -> None:
         """Point the pipeline at the current route, communicator and shadows."""
@@ -424,7 +427,7 @@ class ResPipe:
         route = Route(tuple(self._drank(w) for w in self.route_w), self.gen, shadows)
         self.pipe.rebind(route, self.data)
         self.pipe.relay_grads = hot
-        self.ward = self._ward_of(self.wrank) if self.stage is not None else None
+        self.wards = self._wards_of(self.wrank) if self.stage is not None else []
         if self.stage is not None and self.optimizer is None:
             self.optimizer = self.make_optimizer(self._params(self.stage))
 
@@ -607,8 +610,8 @@ class ResPipe:
             flat = pack_state(self._params(self.stage), self.optimizer, self.optim, self.momentum)
             for h in holders:
                 t.send(flat, self._drank(h), kind=REPLICA, step=self.done)
-        if self.ward is not None:
-            self._take_replica(self.route_w[self.ward], self.ward, self.done, t)
+        for ward in self.wards:
+            self._take_replica(self.route_w[ward], ward, self.done, t)
         t.flush(self._deadline())
 
     def _take_replica(self, source_w: int, stage: int, count: int, t: Any,
@@ -617,10 +620,15 @@ class ResPipe:
         buf = torch.empty(n, dtype=torch.float32)
         t.recv(buf, self._drank(source_w), kind=REPLICA, step=count,
                deadline=self._deadline() if deadline is None else deadline)
-        self._hold(_Slot(buf, count))
+        self._hold(_Slot(buf, count), stage)
 
-    def _hold(self, slot: _Slot) -> None:
-        self.slots = [s for s in self.slots if s.count != slot.count][-1:] + [slot]
+    def _hold(self, slot: _Slot, stage: int) -> None:
+        """Keep the two newest replicas of ``stage``."""
+        if self.stage is not None:  # a neighbour holding its ward's replica
+            held = self.ward_slots.get(stage, [])
+            self.ward_slots[stage] = [s for s in held if s.count != slot.count][-1:] + [slot]
+        else:
+            self.slots = [s for s in self.slots if s.count != slot.count][-1:] + [slot]
 
     # -- per-step figures and the log ------------------------------------------------
     def _report(self, s: int, figs: list[float]) -> None:
@@ -724,7 +732,9 @@ class ResPipe:
             return
         s = self.settings
         label = 8 if self.pipe.labels == "travel" and self.pipe.k > 1 else 0
-        c = predict(shapes, batch_size=self.batch_size, backups=dict(s.backups),
+        protected = dict.fromkeys(range(self.pipe.k), 1) if s.mode == "neighbour" \
+            else dict(s.backups)
+        c = predict(shapes, batch_size=self.batch_size, backups=protected,
                     replicate_every=s.replicate_every, mode=s.mode, label_bytes=label,
                     input_bytes=in_bytes)
         self._log_event("cost_model", 0, -1, bytes_per_step=c.total, plain=c.plain,
@@ -840,11 +850,10 @@ class ResPipe:
     def _state_vector(self, rnd: _Round) -> list[float]:
         kind = 0 if self.stage is not None else 1
         index = self.stage if self.stage is not None else (self.shadowing or 0)
-        held = sorted(self.slots, key=lambda s: s.count)
+        held = sorted(self.slots if self.stage is None else
+                      next(iter(self.ward_slots.values()), []), key=lambda s: s.count)
         latest = held[-1].count if held else -1
         prev = held[-2].count if len(held) > 1 else -1
-        if self.stage is not None and self.ward is not None:
-            pass  # the ward's replica counts are the held slots
         dead = 0
         for w in ft.failed_ranks(self.data) if self.ulfm else []:
             dead |= 1 << self.members[w]
@@ -961,6 +970,8 @@ class ResPipe:
             not any(not (dead >> w) & 1 for w in silent) else 0
         first = min((heard[w] for w in members if int(heard[w][7]) in (1, 2)),
                     key=lambda v: v[9], default=heard[members[0]])
+        if merge >= 0:
+            route = [w for i, w in enumerate(route) if i != merge]
         vec = [self.gen + 1, P, lost_stage, merge, shrink, float(first[7]), float(first[8]),
                float(first[9]), float(first[11]), len(members), *members, len(route), *route,
                len(choices), *[x for k, c in sorted(choices.items()) for x in (k, c)],
@@ -1041,7 +1052,7 @@ class ResPipe:
         if d["merge"] >= 0:
             self._merge(d, P)
         for k, w in enumerate(d["route"]):
-            if w == self.wrank and self.stage != k and d["merge"] < 0:
+            if d["merge"] < 0 and w == self.wrank and self.stage != k:
                 self._promote(k, d["choices"][k], P)
         lost_stages = [k for k, w in stage_before.items() if w not in d["members"]]
         self.route_w = list(d["route"])
@@ -1108,7 +1119,45 @@ class ResPipe:
         self._say(f"took over stage {k} at step {P + 1} (replica of step {count})")
 
     def _merge(self, d: Mapping[str, Any], P: int) -> None:
-        raise NotImplementedError("neighbour takeover is not implemented yet")
+        """Neighbour takeover: the pipeline loses stage k, whose layers join its holder's.
+
+        Every survivor rebuilds the pipeline with one stage fewer (the module's layers
+        are shared, so optimizers keep their parameters); the holder loads its replica
+        of stage k into those layers and gets one optimizer over both slices.
+        """
+        k = d["merge"]
+        old = self.pipe
+        into = k - 1 if k > 0 else 0  # index of the merged stage in the new pipeline
+        balance = list(old.balance)
+        if k > 0:
+            balance[k - 1:k + 1] = [balance[k - 1] + balance[k]]
+        else:
+            balance[0:2] = [balance[0] + balance[1]]
+        route = Route(tuple(self.members.index(w) for w in d["route"]), d["gen"])
+        new = Pipeline(old.module, balance, old.chunks, old.schedule, self.data, route,
+                       in_shape=self.in_shape, labels=old.labels, deadline=old.deadline,
+                       label_dtype=old.label_dtype)
+        holder = self.route_w[k - 1] if k > 0 else self.route_w[1]
+        if self.wrank == holder:
+            count = d["choices"][k]
+            slot = next((s for s in self.ward_slots.get(k, []) if s.count == count), None)
+            if slot is None:
+                raise RuntimeError(f"neighbour of stage {k} lacks its replica of step {count}")
+            own = self._params(self.stage) if self.stage is not None else []
+            ward = self._params(k)
+            merged = self.make_optimizer(new.partitions[into].parameters())
+            old_opt = self.optimizer
+            if old_opt is not None:
+                for p in own:
+                    if p in old_opt.state:
+                        merged.state[p] = old_opt.state[p]
+            unpack_state(slot.flat, ward, merged, self.optim, self.momentum, count)
+            self.optimizer = merged
+            self._say(f"took over stage {k} into its own (replica of step {count})")
+        self.pipe = new
+        self.stage = d["route"].index(self.wrank) if self.wrank in d["route"] else None
+        self.snapshot = None
+        self.ward_slots = {}
 
     def _resync(self, P: int) -> None:
         """After a takeover every stage refreshes its backups, so all replicas are of step P."""
@@ -1122,8 +1171,8 @@ class ResPipe:
                                   self.momentum)
                 for h in holders:
                     t.send(flat, self._drank(h), kind=REPLICA, step=P, micro=1)
-            if self.ward is not None:
-                self._take_resync(self.route_w[self.ward], self.ward, P, t, deadline)
+            for ward in self.wards:
+                self._take_resync(self.route_w[ward], ward, P, t, deadline)
             t.flush(deadline)
         elif self.shadowing is not None:
             self._take_resync(self.route_w[self.shadowing], self.shadowing, P, t, deadline)
@@ -1140,7 +1189,10 @@ class ResPipe:
         n = replica_numel(self._params(stage), self.optim, self.momentum)
         buf = torch.empty(n, dtype=torch.float32)
         t.recv(buf, self._drank(source_w), kind=REPLICA, step=P, micro=1, deadline=deadline)
-        self.slots = [_Slot(buf, P)]
+        if self.stage is not None:
+            self.ward_slots[stage] = [_Slot(buf, P)]
+        else:
+            self.slots = [_Slot(buf, P)]
 
 
 class _RoundStarted(Exception):

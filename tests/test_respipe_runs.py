@@ -163,3 +163,23 @@ def test_kill_without_backup_stops_with_an_error_naming_the_stage(runs):
     assert run.attrs["status"].startswith("failed: stage 1")
     assert run.events_of("stage_lost")[0]["detail"]["stage"] == 1
     assert len(run.steps["step"]) >= 3  # the steps before the kill are all there
+
+
+@pytest.mark.timeout(600)
+def test_neighbour_mode_merges_the_lost_stage_into_the_previous_one(runs):
+    clean, _, clean_ckpt = runs("plain", 3, NO_BACKUP, ulfm=False)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    result, log, ckpt = runs("neighbour", 3, NO_BACKUP, 'resilience.mode="neighbour"',
+                             "resilience.replicate_every=1", "inject:kill:stage=1:step=7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = _open(log)
+    takeover = run.events_of("takeover")[0]
+    assert takeover["rank"] == 0 and takeover["detail"]["stage"] == 1
+    assert run.steps["samples"].sum() == STEPS * BATCH
+    # Two stages remain; together they hold every layer, equal to the failure-free run.
+    got = {k: v for f in sorted(ckpt.glob("stage-*.pt"))
+           for k, v in torch.load(f, weights_only=False)["params"].items()}
+    want = {k: v for part in _params(clean_ckpt) for k, v in part.items()}
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert (got[key] - want[key]).abs().max().item() <= 1e-5, key

@@ -76,6 +76,10 @@ def test_delays_are_seeded_and_repeatable():
     a, b, c = draws(1), draws(1), draws(2)
     assert a == b and a != c
     assert 30 <= sum(1 for x in a if x) <= 90  # about p * 200
+    slept = []
+    plan = inject.FaultPlan(faults, seed=1, stage=0, rank=0, sleep=slept.append)
+    delayed = next(s for s in range(200) if plan.at_step(s))
+    assert plan.at_step(delayed) == 0.0  # a replayed step does not straggle again
 
 
 def test_slowdown():
