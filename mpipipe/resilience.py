@@ -52,6 +52,8 @@ __all__ = [
     "unpack_state",
     "replica_numel",
     "SHADOW_GRAD_MICRO",
+    "BatchCache",
+    "train",
 ]
 
 # Hot mode: a stage > 0 relays its input of micro-batch i as SHADOW micro i, and a
@@ -270,8 +272,8 @@ class _Round:
 
 
 @dataclass
-class StepFigures:
-    """What the trainer reports for one completed step on rank 0."""
+class _Row:
+    """One step's row of the log, completed on rank 0 from every stage's figures."""
 
     step: int
     time: float
@@ -353,7 +355,7 @@ class ResPipe:
         self.faults = FaultPlan(self.settings.faults, seed=int(cfg["run"]["seed"]),
                                 stage=self.stage, rank=self.wrank, on_fire=self._fault_fired)
         self.step_times: deque[float] = deque(maxlen=21)
-        self.pending_rows: dict[int, StepFigures] = {}
+        self.pending_rows: dict[int, _Row] = {}
         self.fault_notes: dict[int, tuple[float, str]] = {}  # world rank -> (time, spec)
         self.open_events: list[dict[str, Any]] = []  # takeovers waiting for their recovery_s
         self.events: list[tuple[str, dict[str, Any]]] = []  # what rank 0 logged (for tests)
@@ -635,7 +637,7 @@ class ResPipe:
         if not self.is_logger:
             self.control.send(_FIGS, self._drank(self._logger_w()), figs, seq=s)
             return
-        row = self.pending_rows.get(s) or StepFigures(s, figs[1], figs[2], self.batch_size)
+        row = self.pending_rows.get(s) or _Row(s, figs[1], figs[2], self.batch_size)
         row.ranks[self.wrank] = self._fig_dict(figs)
         self.pending_rows[s] = row
         # Rows are written one step late: a step can only be rolled back while it is the
@@ -1196,10 +1198,11 @@ class ResPipe:
 
 
 class _RoundStarted(Exception):
-    def __init__(self, rnd: _Round, first_from: int = -1) -> None:
+    """Another rank started a round; this one joins it."""
+
+    def __init__(self, rnd: _Round) -> None:
         super().__init__(rnd.reason)
         self.round = rnd
-        self.first_from = first_from
 
 
 # -- glue for the training command -------------------------------------------------------------
@@ -1230,12 +1233,6 @@ class BatchCache:
         for old in [s for s in self.cache if s < step - self.keep + 1]:
             del self.cache[old]
         return self.cache[step]
-
-
-def needed(cfg: Mapping[str, Any]) -> bool:
-    """True when the run needs resilience: backups, injected faults, or ULFM on."""
-    sec = cfg["resilience"]
-    return bool(sec.get("backups")) or bool(sec.get("inject")) or ft.ulfm_enabled()
 
 
 class _NoParams:

@@ -164,3 +164,21 @@ def test_ulfm_enabled_reads_open_mpi_environment():
 def test_error_class_of_non_mpi_errors_is_none():
     assert ft.error_class(ValueError("x")) is None
     assert not ft.is_proc_failed(ValueError("x")) and not ft.is_revoked(ValueError("x"))
+
+
+def test_cost_command_prints_the_trade_off_over_r(capsys):
+    import json
+    from pathlib import Path
+
+    from mpipipe.__main__ import main
+
+    config = str(Path(__file__).resolve().parents[1] / "jobs" / "configs" / "respipe-digits.toml")
+    assert main(["cost", "--config", config, "--in-shape", "1,8,8", "--r", "1,10",
+                 "--modes", "cold,hot", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {(r["mode"], r["R"]): r for r in out["rows"]}
+    assert set(rows) == {("cold", 1), ("cold", 10), ("hot", 1), ("hot", 10)}
+    assert rows[("cold", 10)]["lost_updates"] == 9 and rows[("hot", 10)]["lost_updates"] == 0
+    assert rows[("cold", 1)]["respipe_bytes"] > rows[("cold", 10)]["respipe_bytes"]
+    assert main(["cost", "--config", config, "--in-shape", "1,8,8", "--modes", "warm"]) == 2
+    assert "--modes" in capsys.readouterr().err
