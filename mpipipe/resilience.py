@@ -1288,7 +1288,7 @@ def train(run: Any) -> int:
     except ValueError as e:
         run.fail(e)
     if run.rank == 0:
-        progress.message(ft.startup_note())
+        print(f"{run.prog}: {ft.startup_note()}", flush=True)  # even under --quiet
     reader: list[Any] = []
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
