@@ -37,18 +37,18 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     "data": {
         "path": "data/digits",  # directory with train/ and test/ shard data sets
         "batch_size": 64,  # mini-batch size (samples per optimizer step)
-        "shuffle": True,
-        "drop_last": True,
+        "shuffle": True,  # reshuffle the train split every epoch (seeded)
+        "drop_last": True,  # drop a last short batch (false: pad it by repeating records)
     },
     "model": {
         "name": "lenet",  # lenet | vgg | resnet
-        "num_classes": 10,
+        "num_classes": 10,  # output classes of the model
     },
     "optim": {
         "name": "sgd",  # sgd | adam
-        "lr": 0.05,
-        "momentum": 0.9,
-        "weight_decay": 0.0,
+        "lr": 0.05,  # learning rate
+        "momentum": 0.9,  # SGD momentum
+        "weight_decay": 0.0,  # L2 penalty
     },
     "pipeline": {
         "stages": 3,  # K: number of pipeline stages (one rank each)
