@@ -368,6 +368,12 @@ class ResPipe:
         self._early: dict[int, np.ndarray] = {}
         self._gen_step = 0  # the step the current generation started at
         self._rebind_pipe()
+        # Every rank built the model from the same seed: before the first replica
+        # arrives, a holder's copy of the initial state is the replica of step 0.
+        for k in ([self.shadowing] if self.shadowing is not None else self.wards):
+            params = self._params(k)
+            self._hold(_Slot(pack_state(params, self.make_optimizer(params), self.optim,
+                                        self.momentum), 0), k)
         if self.shadowing is not None:
             self._warm_up(self.shadowing)
 
