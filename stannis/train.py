@@ -142,6 +142,7 @@ class Trainer:
         self.window: dict[int, deque[float]] = {}
         self.last_change: list[int] = []
         self.last_change_step = 0
+        self.dropped_pending: list[int] = []
         self._cycle: float | None = None  # end of the last gradient exchange
         self.history: list[tuple[int, int, float]] = []  # host: (step, samples, end time)
         self.totals = {r: {"samples": 0, "joules": 0.0, "busy_s": 0.0} for r in self.members}
@@ -303,6 +304,17 @@ class Trainer:
         self._plan_batches(reason, evaluate(fitted, target))
 
     # -- failures -----------------------------------------------------------------------
+    def _recover_until_stable(self, error: BaseException, attempts: int = 4) -> None:
+        """Recover, and recover again if another rank fails during the recovery."""
+        for attempt in range(attempts):
+            try:
+                self._recover(error)
+                return
+            except MPI.Exception as e:
+                if attempt == attempts - 1:
+                    raise
+                error = e
+
     def _recover(self, error: BaseException) -> None:
         """Drop the dead CSDs (ULFM shrink), resync from the host and re-balance."""
         t0 = time.perf_counter()
@@ -311,6 +323,7 @@ class Trainer:
         survivors = list(new.Get_group().Translate_ranks(list(range(new.Get_size())),
                                                          self.world_group))
         dead = [r for r in self.members if r not in survivors]
+        self.dropped_pending += dead  # logged once the survivors are in step again
         if 0 in dead:
             raise HostLost("the host (rank 0) died; a Stannis job cannot continue without it")
         old_comm = self.comm
@@ -325,7 +338,8 @@ class Trainer:
         self.step = int(step[0])
         self._sync_from_host()
         self.optimizer.state.clear()
-        if self.is_host:
+        dead, self.dropped_pending = self.dropped_pending, []
+        if self.is_host and dead:
             for r in dead:
                 self.log.event("csd_dropped", step=self.step, rank=r, error=str(error),
                                    samples_lost=self.records.get(r, 0),
@@ -336,6 +350,8 @@ class Trainer:
                 self.profiles.pop(r, None)
             self.last_change = []
             self._plan_batches(f"ranks {dead} dropped")
+        elif self.is_host:
+            self.log.event("mpi_error_recovered", step=self.step, error=str(error))
         self._share_plan()
 
     # -- the loop -----------------------------------------------------------------------
@@ -357,9 +373,13 @@ class Trainer:
             try:
                 self._one_step(steps, s, o)
             except MPI.Exception as e:
-                if not (ft.is_proc_failed(e) or ft.is_revoked(e)):
+                # Under ULFM a peer's death can also surface as another error class (a
+                # non-blocking collective reports MPI_ERR_OTHER when its schedule aborts),
+                # so any MPI error leads to revoke + shrink; without a dead rank the
+                # shrink keeps everyone and the step is simply redone.
+                if not ft.ulfm_enabled():
                     raise
-                self._recover(e)
+                self._recover_until_stable(e)
                 self._cycle = None
                 continue
             if self.is_host and eval_every and self.step % eval_every == 0 and \
