@@ -4,13 +4,14 @@
     python bench/resilience.py --json     # one JSON line
     python bench/resilience.py --out runs/resilience.png --steps 600
 
-Every figure is measured in this one run (nine short training jobs launched with
-`mpirun --with-ft ulfm`) and reported as a ratio or a time relative to its own
-run, because the machine is shared and noisy:
+Every figure is measured in this one run (nine short training jobs, all launched
+with `mpirun --with-ft ulfm`, so all run the same resilient loop) and reported as a
+ratio or a time relative to its own run, because the machine is shared and noisy:
 
 - overhead_r1, overhead_r10, overhead_hot: failure-free time per sample with one
-  backup per stage (cold R=1, cold R=10, hot R=10), over the plain pipeline's, minus 1
-  (median step times, so a few slow steps do not count)
+  backup per stage (cold R=1, cold R=10, hot R=10), over the same loop's without
+  backups (the plain pipeline), minus 1; median step times, so that a few steps
+  slowed by other processes do not count
 - recovery_s: from the SIGKILL of stage 1 (R=10, one backup per stage) to the next
   completed step; final_accuracy_kill against final_accuracy_clean (same run without
   the kill); baseline_kill_outcome: what the plain pipeline did with the same kill
@@ -118,10 +119,10 @@ def measure(steps: int, work: Path) -> tuple[dict, dict[str, Path]]:
                    cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=120)
     kill_at, stall_at = steps // 2, steps // 2
     jobs = {
-        "plain": (3, (NONE,), False),
-        "r1": (6, (ALL, "resilience.replicate_every=1"), False),
-        "r10": (6, (ALL, "resilience.replicate_every=10"), False),
-        "hot": (6, (ALL, "resilience.replicate_every=10", 'resilience.mode="hot"'), False),
+        "plain": (3, (NONE,), True),
+        "r1": (6, (ALL, "resilience.replicate_every=1"), True),
+        "r10": (6, (ALL, "resilience.replicate_every=10"), True),
+        "hot": (6, (ALL, "resilience.replicate_every=10", 'resilience.mode="hot"'), True),
         "kill": (6, (ALL, "resilience.replicate_every=10", f"inject:kill:stage=1:step={kill_at}"),
                  True),
         "plain_kill": (3, (NONE, f"inject:kill:stage=1:step={kill_at}"), True),
