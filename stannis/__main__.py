@@ -63,6 +63,17 @@ def main(argv: list[str] | None = None) -> int:
         from native import ShardError
 
         from .prepare import ensure_source, split
+        done = Path(args.out) / "split.json"
+        if done.exists() and not args.overwrite:
+            import json
+
+            info = json.loads(done.read_text())
+            same = (info.get("csds"), info.get("public_share"), info.get("seed")) == \
+                (args.csds, args.public_share, args.seed)
+            if same:
+                print(f"stannis prepare: {args.out} is already split this way "
+                      "(--overwrite to redo it)")
+                return 0
         try:
             ensure_source(Path(args.source))
             info = split(Path(args.source), Path(args.out), csds=args.csds,
