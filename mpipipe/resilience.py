@@ -38,9 +38,10 @@ import torch
 from torch import nn
 
 from . import ft
-from .costmodel import predict, stage_shapes, state_bytes
+from .costmodel import predict, stage_shapes
 from .inject import Fault, FaultPlan
 from .pipeline import SHADOW_GRAD_MICRO, Pipeline, Route
+from .replica import pack_state, replica_numel, unpack_state
 from .transport import REPLICA, SHADOW, Late, PeerFailed
 
 __all__ = [
@@ -131,70 +132,6 @@ class Settings:
         return cls(_backup_counts(sec.get("backups", {}), stages), r, sec["mode"],
                    float(sec["deadline_s"]), float(sec["deadline_factor"]), faults)
 
-
-
-# -- replicas --------------------------------------------------------------------------------
-
-def _state_keys(optim: str) -> tuple[str, ...]:
-    return {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}[optim]
-
-
-def replica_numel(params: Sequence[torch.Tensor], optim: str, momentum: float = 0.0) -> int:
-    """Number of float32 values in a replica of ``params`` and their optimizer state."""
-    n = sum(p.numel() for p in params)
-    return n + state_bytes(4 * n, len(params), optim, momentum) // 4
-
-
-def pack_state(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, optim: str,
-               momentum: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Parameters then optimizer state, as one flat float32 tensor (one message, no pickling)."""
-    numel = replica_numel(params, optim, momentum)
-    flat = out if out is not None else torch.empty(numel, dtype=torch.float32)
-    pos = 0
-    with torch.no_grad():
-        for p in params:
-            flat[pos:pos + p.numel()].copy_(p.reshape(-1))
-            pos += p.numel()
-        has_state = optim == "adam" or momentum
-        if has_state:
-            for p in params:
-                st = optimizer.state.get(p, {})
-                for key in _state_keys(optim):
-                    buf = st.get(key)
-                    seg = flat[pos:pos + p.numel()]
-                    seg.copy_(buf.reshape(-1)) if buf is not None else seg.zero_()
-                    pos += p.numel()
-            if optim == "adam":
-                for p in params:
-                    step = optimizer.state.get(p, {}).get("step")
-                    flat[pos] = float(step) if step is not None else 0.0
-                    pos += 1
-    assert pos == numel
-    return flat
-
-
-def unpack_state(flat: torch.Tensor, params: Sequence[torch.Tensor],
-                 optimizer: torch.optim.Optimizer, optim: str, momentum: float, count: int) -> None:
-    """Load a replica into ``params`` and ``optimizer`` (state only once a step was taken)."""
-    pos = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(flat[pos:pos + p.numel()].view_as(p))
-            pos += p.numel()
-        if optim == "adam" or momentum:
-            for p in params:
-                st = optimizer.state[p] if count > 0 else {}
-                for key in _state_keys(optim):
-                    if count > 0:
-                        st[key] = flat[pos:pos + p.numel()].view_as(p).clone()
-                    pos += p.numel()
-                if count == 0:
-                    optimizer.state.pop(p, None)
-            if optim == "adam":
-                for p in params:
-                    if count > 0:
-                        optimizer.state[p]["step"] = torch.tensor(float(flat[pos]))
-                    pos += 1
 
 
 # -- the control plane -----------------------------------------------------------------------

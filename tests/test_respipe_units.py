@@ -182,3 +182,35 @@ def test_cost_command_prints_the_trade_off_over_r(capsys):
     assert rows[("cold", 1)]["respipe_bytes"] > rows[("cold", 10)]["respipe_bytes"]
     assert main(["cost", "--config", config, "--in-shape", "1,8,8", "--modes", "warm"]) == 2
     assert "--modes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_replica_round_trip_restores_parameters_and_optimizer_state(optim):
+    import torch
+
+    from mpipipe.replica import pack_state, replica_numel, unpack_state
+
+    def model_and_opt(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        o = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if optim == "sgd"
+             else torch.optim.Adam(m.parameters(), lr=0.01))
+        return m, o
+
+    def train(m, o, steps):
+        for i in range(steps):
+            torch.manual_seed(100 + i)
+            o.zero_grad()
+            m(torch.randn(5, 4)).square().sum().backward()
+            o.step()
+
+    src, src_opt = model_and_opt(0)
+    train(src, src_opt, 3)
+    flat = pack_state(list(src.parameters()), src_opt, optim, 0.9)
+    assert flat.numel() == replica_numel(list(src.parameters()), optim, 0.9)
+    dst, dst_opt = model_and_opt(1)  # different weights, no state yet
+    unpack_state(flat, list(dst.parameters()), dst_opt, optim, 0.9, count=3)
+    train(src, src_opt, 2)
+    train(dst, dst_opt, 2)  # the copy continues exactly like the original
+    for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+        assert torch.equal(a, b)
