@@ -63,7 +63,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "slowdown": 8.0,  # emulated: compute time x this (1 on real CSDs)
         "slowdowns": [],  # per-CSD override of slowdown, one per CSD
         "threads": 1,  # torch threads per CSD rank
-        "nice": 10,  # emulated CSDs run at this CPU niceness (0: unchanged), see docs/stannis.md
+        "nice": 0,  # emulated CSDs run at this CPU niceness (0: unchanged), see docs/stannis.md
         "max_batch": 256,  # memory cap of one CSD's batch
         "idle_w": 5.0,
         "active_w": 10.0,
