@@ -115,26 +115,42 @@ def worker(args: argparse.Namespace) -> None:
         """Samples/s of rank ``who`` training alone while the others wait."""
         barrier()
         sps = 0.0
+        cores = 0.0
         if rank == who:
             tr._compute(batch)
             tr.optimizer.step()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 tr._compute(batch)
                 tr.optimizer.step()
-            sps = steps * batch / (time.perf_counter() - t)
+            wall = time.perf_counter() - t
+            sps = steps * batch / wall
+            cores = (time.process_time() - c) / wall
         barrier()
+        if who == 0:
+            alone_cores[0] = raw.bcast(cores, root=who)
         return raw.bcast(sps, root=who)
+
+    last_host_s_per_sample = [float("nan")]
+    alone_cores = [0.0]  # CPU cores the host used when it last trained alone
+    together_cores = [0.0]  # CPU cores all ranks together used in the last together()
 
     def together(steps: int, tune: bool) -> tuple[float, float]:
         """Samples/s and samples/J of host + CSDs over ``steps`` training steps."""
         cfg["stannis"]["tune"] = tune
         barrier()
         before = {r: dict(t) for r, t in tr.totals.items()}
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):
             tr._one_step(tr.step + steps + 10_000, cfg["stannis"], cfg["optim"])
         wall = time.perf_counter() - t
+        cpu = raw.reduce(time.process_time() - c, root=0)
+        if rank == 0:
+            together_cores[0] = cpu / wall
+        if rank == 0:  # the host's compute seconds per sample, for the interference figure
+            host_s = tr.totals[0]["busy_s"] - before.get(0, {}).get("busy_s", 0.0)
+            host_n = tr.totals[0]["samples"] - before.get(0, {}).get("samples", 0)
+            last_host_s_per_sample[0] = host_s / host_n if host_n else float("nan")
         samples = sum(tr.totals[r]["samples"] - before.get(r, {}).get("samples", 0)
                       for r in tr.totals)
         joules = sum(tr.totals[r]["joules"] - before.get(r, {}).get("joules", 0.0)
@@ -159,6 +175,7 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(ROUNDS):
         standalone = [alone(r, tuned_plan[r], 3 if r else 8) for r in range(run.size)]
         host_only = alone(0, B, 6)
+        host_only_cores = alone_cores[0]
         tr.comm.take()
         # A host alone draws its own power only: the model's joules for the host.
         host_spj = B / (tr.meter.model.active_w * B / host_only) if host_only else 0.0
@@ -167,8 +184,14 @@ def worker(args: argparse.Namespace) -> None:
         set_batches(tuned_plan)
         together(5, tune=True)  # settle after the switch back (includes a re-tune check)
         tuned, tuned_spj = together(15, tune=True)
+        tuned_cores = together_cores[0]
+        # How much slower the host computes beside the CSDs than alone (same rank,
+        # same round): the CSDs' emulated compute shares the machine's cores.
+        host_interference = last_host_s_per_sample[0] * standalone[0] if rank == 0 else 0.0
         tuned_plan = list(tr.batches)
-        rounds.append({"standalone": standalone, "host_only": host_only, "host_spj": host_spj,
+        rounds.append({"host_interference": host_interference, "load_avg": os.getloadavg()[0],
+                       "host_only_cores": host_only_cores, "tuned_cores": tuned_cores,
+                       "standalone": standalone, "host_only": host_only, "host_spj": host_spj,
                        "equal": equal, "equal_spj": equal_spj, "tuned": tuned,
                        "tuned_spj": tuned_spj})
 
@@ -222,6 +245,12 @@ def summarise(rounds: list[dict], history: list[tuple[int, int, float]], slow_st
         "_detail": {"standalone_sps": [round(float(x), 1) for x in standalone],
                     "host_only_spj": round(med["host_spj"], 2),
                     "rounds": rounds, "global_batch": args.global_batch,
+                    "host_interference": round(float(np.median(
+                        [r["host_interference"] for r in rounds])), 2),
+                    "load_avg": round(float(np.median([r["load_avg"] for r in rounds])), 1),
+                    "host_only_cores": round(float(np.median(
+                        [r["host_only_cores"] for r in rounds])), 2),
+                    "tuned_cores": round(float(np.median([r["tuned_cores"] for r in rounds])), 2),
                     "slowdown": args.slowdown},
     }
 
@@ -264,6 +293,12 @@ def main() -> int:
     result = json.loads(out.read_text())
     detail = result.pop("_detail")
     if args.json:
+        # Two context figures besides the issue's keys: the machine's load and how
+        # much slower the host computed beside the CSDs than alone.
+        result["load_avg"] = detail["load_avg"]
+        result["host_interference"] = detail["host_interference"]
+        result["host_only_cores"] = detail["host_only_cores"]
+        result["tuned_cores"] = detail["tuned_cores"]
         print(json.dumps(result))
         return 0
     print(f"Stannis benchmark: 1 host + {CSDS} emulated CSDs at 1/{args.slowdown:g} speed, "
@@ -279,6 +314,10 @@ def main() -> int:
         print(f"  {name:<14} {sps:>10,.0f} {spj:>10.2f}")
     print(f"  HyperTune / ideal {result['tuned_vs_ideal']:.2f}, / equal "
           f"{result['tuned_vs_equal']:.2f}, / host only {result['tuned_vs_host_only']:.2f}")
+    print(f"  load average {detail['load_avg']:.1f}; the host computed "
+          f"{detail['host_interference']:.2f}x slower per sample beside the CSDs than alone")
+    print(f"  CPU cores used: host only {detail['host_only_cores']:.2f}, HyperTune (all ranks) "
+          f"{detail['tuned_cores']:.2f}")
     print(f"  one CSD slowed 2x: back within 10% of the new ideal after "
           f"{result['retune_steps']} steps")
     return 0
