@@ -59,7 +59,7 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "plan": {},  # explicit launch plan: role name -> rank, e.g. "stage 0" = 0
     "resilience": {
-        "backups": {},  # stage -> number of backup ranks, e.g. {1 = 1}
+        "backups": {},  # stage -> number of backup ranks, e.g. {1 = 1}; "all": one per stage
         "replicate_every": 1,  # R: refresh replicas every R steps
         "mode": "cold",  # cold | hot | neighbour
         "deadline_s": 30.0,  # a wait longer than this marks the sender late
@@ -101,6 +101,9 @@ def _type_ok(default: Any, value: Any) -> bool:
         return isinstance(value, int | float) and not isinstance(value, bool)
     if isinstance(default, int):
         return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, dict):
+        # a table, or a keyword its consumer understands (resilience.backups = "all")
+        return isinstance(value, dict | str)
     return isinstance(value, type(default))
 
 

@@ -66,6 +66,9 @@ def test_automatic_pipeline_plan_places_backups_after_stages():
     assert [str(r) for r in plan.roles] == ["stage 0", "stage 1", "stage 2", "backup 1", "backup 2"]
     assert plan.ranks_of("backup", 2) == [4]
     assert pipeline_plan(cfg_with(resilience={"backups": "all"}), 6).ranks_of("backup") == [3, 4, 5]
+    assert pipeline_plan(load_config(None, ["resilience.backups=all"]), 6).ranks_of("backup") == [3, 4, 5]
+    with pytest.raises(PlanError, match='a table like'):
+        pipeline_plan(load_config(None, ["resilience.backups=some"]), 6)
 
 
 @pytest.mark.parametrize("sections,world,message", [
