@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,16 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mpipipe.launch import run_mpi  # noqa: E402
+
 K = 2  # stages (one rank each) for every parallel figure
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
-               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
-    return env
+def _gloo_env() -> dict[str, str]:
+    """Where torch.distributed's gloo rendezvous meets (the peer benchmark needs it)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
 
 
 def _model_and_batch(args: argparse.Namespace):
@@ -212,12 +209,10 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---- driver -------------------------------------------------------------------------------
 def _launch(args: argparse.Namespace) -> dict:
-    mpirun = Path(sys.executable).parent / "mpirun"
-    cmd = [str(mpirun), "--oversubscribe", "-x", "PYTHONPATH", "-x", "MASTER_ADDR",
-           "-x", "MASTER_PORT", "-n", str(K), sys.executable, __file__, "--worker",
+    cmd = [__file__, "--worker",
            "--model", args.model, "--batch", str(args.batch), "--chunks", str(args.chunks),
            "--steps", str(args.steps), "--rounds", str(args.rounds)]
-    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1800)
+    result = run_mpi(K, cmd, env=_gloo_env(), timeout=1800)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         raise SystemExit(f"bench/pipeline.py: error: the mpirun worker failed "

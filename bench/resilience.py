@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -38,35 +37,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mpipipe.launch import mpirun_env, run_mpi  # noqa: E402
+
 BATCH = 32
 TARGET = 0.90  # accuracy for the time-to-accuracy figures
 ALL = "resilience.backups={0 = 1, 1 = 1, 2 = 1}"
 NONE = "resilience.backups={}"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
-    return env
-
-
 def _train(work: Path, name: str, ranks: int, steps: int, *settings: str,
            ulfm: bool = True) -> tuple[subprocess.CompletedProcess, Path]:
     log = work / f"{name}.h5"
-    cmd = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe", "-x", "PYTHONPATH"]
-    if ulfm:
-        cmd += ["--with-ft", "ulfm"]
-    cmd += ["-n", str(ranks), sys.executable, "-m", "mpipipe", "train", "--quiet",
+    cmd = ["-m", "mpipipe", "train", "--quiet",
             "--config", str(ROOT / "jobs" / "configs" / "respipe-digits.toml"),
             "--set", f'data.path="{work / "digits"}"', "--set", f"run.steps={steps}",
             "--set", f"run.eval_every={max(steps // 24, 1)}", "--set", f"data.batch_size={BATCH}",
             "--log", str(log)]
     for s in settings:
         cmd += ["--inject", s[7:]] if s.startswith("inject:") else ["--set", s]
-    result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                            timeout=60 + steps)
+    result = run_mpi(ranks, cmd, ulfm=ulfm, timeout=60 + steps)
     return result, log
 
 
@@ -117,7 +106,7 @@ def _outcome(result: subprocess.CompletedProcess, log: Path) -> str:
 def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Path]]:
     """Run the jobs; return the figures and the logs by name."""
     subprocess.run([sys.executable, "-m", "native.convert", "digits", str(work / "digits")],
-                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=120)
+                   cwd=ROOT, env=mpirun_env(), check=True, capture_output=True, timeout=120)
     kill_at, stall_at = steps // 2, steps // 2
     jobs = {
         "plain": (3, (NONE,), True),

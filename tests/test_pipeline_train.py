@@ -2,43 +2,22 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+from mpipipe.launch import ROOT, run_mpi
+
 CONFIG = ROOT / "jobs" / "configs" / "pipeline-digits.toml"
 ERROR_LINE = "mpipipe train: error:"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
-    return env
-
-
 def mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m mpipipe train ARGS` on n ranks; a hang fails the test at `timeout`."""
-    cmd = [str(BIN / "mpirun"), "--oversubscribe", "-x", "PYTHONPATH", "-n", str(n),
-           sys.executable, "-m", "mpipipe", "train", "--quiet", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "digits"
-    subprocess.run([sys.executable, "-m", "native.convert", "digits", str(out)], cwd=ROOT,
-                   env=_env(), check=True, capture_output=True, timeout=120)
-    return out
+    return run_mpi(n, ["-m", "mpipipe", "train", "--quiet", *args], timeout=timeout)
 
 
 def _data(digits: Path) -> list[str]:

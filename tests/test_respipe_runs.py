@@ -7,35 +7,16 @@ suite short on two cores. Nothing here asserts timings.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+from mpipipe.launch import ROOT, run_mpi
+
 CONFIG = ROOT / "jobs" / "configs" / "respipe-digits.toml"
 STEPS, BATCH = 20, 32
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
-    return env
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "digits"
-    subprocess.run([sys.executable, "-m", "native.convert", "digits", str(out)], cwd=ROOT,
-                   env=_env(), check=True, capture_output=True, timeout=120)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +27,13 @@ def runs(digits, tmp_path_factory):
     @cache
     def run(name: str, ranks: int, *settings: str, ulfm: bool = True, timeout: float = 150):
         log = base / f"{name}.h5"
-        cmd = [str(BIN / "mpirun"), "--oversubscribe", "-x", "PYTHONPATH", "-n", str(ranks)]
-        if ulfm:
-            cmd[1:1] = ["--with-ft", "ulfm"]
-        cmd += [sys.executable, "-m", "mpipipe", "train", "--quiet", "--config", str(CONFIG),
+        cmd = ["-m", "mpipipe", "train", "--quiet", "--config", str(CONFIG),
                 "--set", f'data.path="{digits}"', "--set", f"run.steps={STEPS}",
                 "--set", "run.eval_every=0", "--set", f"run.checkpoint_every={STEPS}",
                 "--set", f"data.batch_size={BATCH}", "--log", str(log)]
         for s in settings:
             cmd += ["--inject", s[len("inject:"):]] if s.startswith("inject:") else ["--set", s]
-        result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                                timeout=timeout)
+        result = run_mpi(ranks, cmd, ulfm=ulfm, timeout=timeout)
         return result, log, base / f"{name}-ckpt"
 
     return run

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from mpipipe.launch import run_mpi
 
 SCRIPT = """
 import os, signal, torch
@@ -38,12 +33,7 @@ for name, call in checks:
 def test_dead_peer_raises_peer_failed(tmp_path):
     script = tmp_path / "kill.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [str(Path(sys.executable).parent / "mpirun"), "--with-ft", "ulfm", "--oversubscribe",
-           "-x", "PYTHONPATH", "-n", "2", sys.executable, str(script)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    result = run_mpi(2, [str(script)], ulfm=True, timeout=100)
     lines = result.stdout.splitlines()
     for name in ("recv", "recv_rows", "send"):
         assert f"{name} PeerFailed 1" in lines, result.stdout + result.stderr[-2000:]
