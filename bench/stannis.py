@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from mpipipe.launch import run_mpi  # noqa: E402
 
 SHAPE = (3, 32, 32)
 CSDS = 4
@@ -291,15 +292,11 @@ def main() -> int:
     make_data(tmp / "data")
     write_config(tmp / "bench.toml", tmp / "data", args)
     out = tmp / "result.json"
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMP_NUM_THREADS": "1", "OMPI_MCA_mpi_yield_when_idle": "1",
-           "PYTHONPATH": str(ROOT)}
-    cmd = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe", "-n", str(1 + CSDS),
-           sys.executable, str(Path(__file__).resolve()), "--worker",
+    cmd = [str(Path(__file__).resolve()), "--worker",
            "--global-batch", str(args.global_batch), "--slowdown", str(args.slowdown),
            "--config", str(tmp / "bench.toml"), "--log", str(tmp / "bench.h5"),
            "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    proc = run_mpi(1 + CSDS, cmd, timeout=1200)
     if proc.returncode or not out.exists():
         print(f"bench/stannis.py: the MPI job failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return 1

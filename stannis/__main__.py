@@ -33,25 +33,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _defaults() -> str:
+    from mpipipe.config import dump_toml
+
     from .config import STANNIS_DEFAULTS
 
-    def value(v: object) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return f'"{v}"'
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{}"
-        return repr(v)
-
-    lines = []
-    for section, body in STANNIS_DEFAULTS.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {value(v)}" for k, v in body.items()]
-        lines.append("")
-    return "\n".join(lines)
+    return dump_toml(STANNIS_DEFAULTS)
 
 
 def main(argv: list[str] | None = None) -> int:

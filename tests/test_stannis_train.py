@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mpipipe.launch import ROOT, mpirun_env, run_mpi
 from mpipipe.models import build_model
 from mpipipe.runlog import open_log
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "jobs" / "configs" / "stannis-digits.toml"
-MPIRUN = Path(sys.executable).parent / "mpirun"
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "OMP_NUM_THREADS": "1", "OMPI_MCA_mpi_yield_when_idle": "1", "PYTHONPATH": str(ROOT)}
-
-pytestmark = pytest.mark.skipif(not MPIRUN.exists(), reason="mpirun not in the virtualenv")
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +21,13 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("stannis")
     subprocess.run([sys.executable, "-m", "stannis", "prepare", "--source", str(root / "digits"),
                     "--out", str(root / "split"), "--csds", "4"],
-                   check=True, env=ENV, cwd=ROOT, timeout=120, capture_output=True)
+                   check=True, env=mpirun_env(), cwd=ROOT, timeout=120, capture_output=True)
     return root / "split"
 
 
 def _train(data: Path, log: Path, *sets: str, inject: tuple[str, ...] = (), ulfm: bool = False,
            n: int = 5, timeout: int = 240) -> subprocess.CompletedProcess:
-    cmd = [str(MPIRUN), "--oversubscribe"] + (["--with-ft", "ulfm"] if ulfm else []) + [
-        "-n", str(n), sys.executable, "-m", "stannis", "train", "--config", str(CONFIG),
+    cmd = ["-m", "stannis", "train", "--config", str(CONFIG),
         "--log", str(log), "--set", f'data.path="{data}"',
         # 1/2 speed keeps the test quick on two cores; the benchmark uses 1/8.
         "--set", "csd.slowdown=2.0", "--set", "run.eval_every=0"]
@@ -42,7 +35,7 @@ def _train(data: Path, log: Path, *sets: str, inject: tuple[str, ...] = (), ulfm
         cmd += ["--set", s]
     for spec in inject:
         cmd += ["--inject", spec]
-    return subprocess.run(cmd, env=ENV, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+    return run_mpi(n, cmd, ulfm=ulfm, timeout=timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
