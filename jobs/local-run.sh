@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One launcher for both systems on this machine with mpirun (what the .sbatch
+# scripts run under Slurm, without Slurm). jobs/local-respipe.sh and
+# jobs/local-stannis.sh call it; use those.
+#
+#   jobs/local-run.sh respipe|stannis [-n RANKS] [CONFIG] [--set section.key=value ...] [--inject SPEC ...]
+#
+# The HDF5 log goes to runs/local-<time>/<system>.h5. The environment is the
+# project's .venv, or the virtual environment named by MPIPIPE_VENV. More
+# ranks than cores are fine: each rank gets one thread and waiting ranks yield.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SYSTEM=${1:-}
+case $SYSTEM in
+    # ResPipe runs under ULFM so that a dead stage is an error the survivors recover from
+    respipe) RANKS=6; MODULE=mpipipe; FT=(--with-ft ulfm) ;;
+    stannis) RANKS=5; MODULE=stannis; FT=() ;;
+    *) echo "local-run.sh: error: the first argument must be respipe or stannis" >&2; exit 2 ;;
+esac
+shift
+PROG=local-$SYSTEM.sh
+VENV=${MPIPIPE_VENV:-$ROOT/.venv}
+if [[ ! -x $VENV/bin/python || ! -x $VENV/bin/mpirun ]]; then
+    echo "$PROG: error: no Python and mpirun in $VENV; run 'make install'" \
+         "in $ROOT or set MPIPIPE_VENV to the environment to use" >&2
+    exit 2
+fi
+
+if [[ ${1:-} == -n ]]; then
+    [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "$PROG: error: -n needs a number of ranks" >&2; exit 2; }
+    RANKS=$2
+    shift 2
+fi
+CONFIG=$ROOT/jobs/configs/$SYSTEM-digits.toml
+if (($#)) && [[ $1 != -* ]]; then
+    CONFIG=$(realpath "$1")
+    shift
+fi
+RUN_DIR=$ROOT/runs/local-$(date +%Y%m%d-%H%M%S)
+mkdir -p "$RUN_DIR"
+
+cd "$ROOT"
+export PATH=$VENV/bin:$PATH
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
+if [[ $(id -u) == 0 ]]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+
+echo "$SYSTEM: $RANKS ranks, config $CONFIG, log $RUN_DIR/$SYSTEM.h5"
+exec "$VENV/bin/mpirun" "${FT[@]}" --oversubscribe -n "$RANKS" \
+    "$VENV/bin/python" -m "$MODULE" train --config "$CONFIG" \
+    --log "$RUN_DIR/$SYSTEM.h5" "$@"
