@@ -24,7 +24,7 @@ from .runlog import RunLog
 __all__ = ["Run", "add_train_arguments", "start_run", "gather_figures"]
 
 
-def add_train_arguments(parser: argparse.ArgumentParser, *, system: str) -> None:
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options every training command shares."""
     parser.add_argument(
         "--config", metavar="FILE",

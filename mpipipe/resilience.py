@@ -1290,11 +1290,7 @@ def train(run: Any) -> int:
             "log": str(log.path),
         }
         log.set_attr("summary", summary)
-        shown = progress if progress.enabled else None
-        if shown is None:
-            from .progress import Progress
-            shown = Progress(1, enabled=True, prog=run.prog)
-        shown.summary(**summary)
+        progress.summary(**summary)  # printed under --quiet too
         log.close("completed")
     if result["takeovers"]:
         # A replaced rank leaves without MPI_Finalize (see Demoted above), and a killed

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from .cli import Run, add_train_arguments, gather_figures, start_run
 from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
-from .progress import Progress
 from .roles import pipeline_plan
 
 # torch, the engine and the data reader are imported where used, so that a wrong
@@ -54,7 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Train a CNN cut into K pipeline stages, one MPI rank per stage, with "
                     "micro-batch pipelining (GPipe or 1F1B). Launch with mpirun -n K.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_train_arguments(parser, system="mpipipe")
+    add_train_arguments(parser)
     parser.set_defaults(func=main)
     return parser
 
@@ -355,9 +354,7 @@ def train(run: Run) -> int:
     }
     log.set_attr("summary", summary)
     if run.rank == 0:
-        # the summary line stays under --quiet (only the progress display goes)
-        shown = progress if progress.enabled else Progress(1, enabled=True, prog=run.prog)
-        shown.summary(**summary)
+        progress.summary(**summary)  # printed under --quiet too
     log.close("completed")
     return 0
 

@@ -16,7 +16,7 @@ def _parser() -> argparse.ArgumentParser:
                     "(CSDs), with HyperTune batch sizing. Launch with mpirun -n 1+N.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (under mpirun -n 1+N)")
-    add_train_arguments(train, system="stannis")
+    add_train_arguments(train)
     prep = sub.add_parser("prepare", help="split a data set into public and per-CSD private "
                                           "shard directories (demo data)")
     prep.add_argument("--source", default="data/digits",
