@@ -14,7 +14,7 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -61,19 +61,21 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def _append(group: h5py.Group, fields: Mapping[str, Any], row: Mapping[str, Any]) -> None:
-    """Append one row to the parallel extendable datasets of ``group``."""
+def _append(group: h5py.Group, fields: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> None:
+    """Append rows to the parallel extendable datasets of ``group`` (one resize each)."""
     n = None
     for name, dtype in fields.items():
         if name not in group:
             group.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(256,))
         ds = group[name]
         n = ds.shape[0] if n is None else n
-        ds.resize((n + 1,))
-        value = row.get(name)
-        if value is None:
-            value = "" if dtype is _STR else (-1 if np.issubdtype(dtype, np.integer) else math.nan)
-        ds[n] = value
+        ds.resize((n + len(rows),))
+        missing = "" if dtype is _STR else (-1 if np.issubdtype(dtype, np.integer) else math.nan)
+        values = [missing if row.get(name) is None else row.get(name) for row in rows]
+        if len(rows) == 1:
+            ds[n] = values[0]
+        else:
+            ds[n:] = np.asarray(values, dtype=object if dtype is _STR else dtype)
 
 
 class RunLog:
@@ -142,25 +144,39 @@ class RunLog:
         ranks: Mapping[int, Mapping[str, float]] | None = None,
     ) -> None:
         """Record one optimizer step and the per-rank figures gathered for it."""
-        if self._file is None:
+        self.steps([{"step": step, "time": time, "loss": loss, "samples": samples,
+                     "samples_per_s": samples_per_s, "ranks": ranks}])
+
+    def steps(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Record several steps at once (keyword arguments of :meth:`step` per row).
+
+        One resize and one write per dataset for all of them: what a writer that
+        has fallen behind uses to catch up.
+        """
+        if self._file is None or not rows:
             return
-        t = self.elapsed() if time is None else time
-        _append(self._file["steps"], _STEP_FIELDS, {
-            "step": step, "time": t, "loss": loss, "samples": samples, "samples_per_s": samples_per_s,
-        })
-        for rank, figures in (ranks or {}).items():
-            group = self._file["ranks"].require_group(str(int(rank)))
+        now = self.elapsed()
+        _append(self._file["steps"], _STEP_FIELDS, [
+            {**{k: v for k, v in row.items() if k != "ranks"},
+             "time": now if row.get("time") is None else row["time"]} for row in rows])
+        per_rank: dict[int, list[Mapping[str, Any]]] = {}
+        for row in rows:
+            for rank, figures in (row.get("ranks") or {}).items():
+                per_rank.setdefault(int(rank), []).append({"step": row["step"], **figures})
+        for rank, rank_rows in per_rank.items():
+            group = self._file["ranks"].require_group(str(rank))
             fields = dict(_RANK_FIELDS)
-            for key, value in figures.items():
-                if key not in fields:
-                    fields[key] = np.int64 if isinstance(value, int | np.integer) else np.float64
+            for figures in rank_rows:
+                for key, value in figures.items():
+                    if key not in fields:
+                        fields[key] = np.int64 if isinstance(value, int | np.integer) else np.float64
             n = group["step"].shape[0] if "step" in group else 0
             for key, dtype in fields.items():
                 if key not in group and n:
                     # a figure that appears late is back-filled so columns stay aligned
                     group.create_dataset(key, shape=(n,), maxshape=(None,), dtype=dtype, chunks=(256,),
                                          fillvalue=-1 if np.issubdtype(dtype, np.integer) else math.nan)
-            _append(group, fields, {"step": step, **figures})
+            _append(group, fields, rank_rows)
         self._file.flush()
 
     def eval(self, step: int, *, accuracy: float, loss: float = math.nan, time: float | None = None) -> None:
@@ -168,7 +184,7 @@ class RunLog:
         if self._file is None:
             return
         t = self.elapsed() if time is None else time
-        _append(self._file["eval"], _EVAL_FIELDS, {"step": step, "time": t, "accuracy": accuracy, "loss": loss})
+        _append(self._file["eval"], _EVAL_FIELDS, [{"step": step, "time": t, "accuracy": accuracy, "loss": loss}])
         self._file.flush()
 
     def event(self, kind: str, *, step: int, rank: int = -1, time: float | None = None, **detail: Any) -> None:
@@ -176,10 +192,10 @@ class RunLog:
         if self._file is None:
             return
         t = self.elapsed() if time is None else time
-        _append(self._file["events"], _EVENT_FIELDS, {
+        _append(self._file["events"], _EVENT_FIELDS, [{
             "step": step, "time": t, "kind": kind, "rank": rank,
             "detail": json.dumps(detail, sort_keys=True, default=_jsonable),
-        })
+        }])
         self._file.flush()
 
     def set_attr(self, key: str, value: Any) -> None:

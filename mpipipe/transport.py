@@ -34,6 +34,16 @@ YIELD_S = 2e-3
 FIRST_SLEEP_S = 50e-6
 MAX_SLEEP_S = 250e-6
 
+
+def pause(waited: float) -> None:
+    """One back-off step of a rank that has waited ``waited`` seconds (see SPIN_S)."""
+    if waited <= SPIN_S:
+        return
+    if waited <= YIELD_S:
+        os.sched_yield()
+        return
+    time.sleep(min(MAX_SLEEP_S, max(FIRST_SLEEP_S, waited / 10)))
+
 _FAILED_CLASSES = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
 
 _MPI_TYPES = {
@@ -190,7 +200,7 @@ class Transport:
                 if deadline is not None and waited > deadline:
                     dest = self._pending[0][2]
                     raise Late(dest, waited)
-                self._pause(waited)
+                pause(waited)
         finally:
             self.wait_s += time.perf_counter() - start
 
@@ -267,7 +277,7 @@ class Transport:
                 if deadline is not None and waited > deadline:
                     raise Late(source, waited, kind, step, micro)
                 self._complete_sends()
-                self._pause(waited)
+                pause(waited)
         except MPI.Exception as exc:
             raise self._failure(exc, source) from exc
         finally:
@@ -299,7 +309,7 @@ class Transport:
                     self._cancel(request, out, source)
                     raise Late(source, waited, kind, step, micro)
                 self._complete_sends()
-                self._pause(waited)
+                pause(waited)
         except MPI.Exception as exc:
             raise self._failure(exc, source) from exc
         finally:
@@ -315,15 +325,6 @@ class Transport:
         self._abandoned.append((request, out, source))
 
     # -- helpers -----------------------------------------------------------------------
-    @staticmethod
-    def _pause(waited: float) -> None:
-        if waited <= SPIN_S:
-            return
-        if waited <= YIELD_S:
-            os.sched_yield()
-            return
-        time.sleep(min(MAX_SLEEP_S, max(FIRST_SLEEP_S, waited / 10)))
-
     @staticmethod
     def _failure(exc: MPI.Exception, peer: int) -> Exception:
         error_class = _error_class(exc)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from mpi4py import MPI
 
-from mpipipe.transport import FIRST_SLEEP_S, MAX_SLEEP_S, SPIN_S
+from mpipipe.transport import pause
 
 
 class WeightedAllreduce:
@@ -63,11 +63,14 @@ class WeightedAllreduce:
         """Bytes one rank contributes per ``reduce``: every gradient plus the weight slot."""
         return int(self._buf.nbytes)
 
-    def reduce(self, weight: float) -> float:
+    def reduce(self, weight: float, alongside: Sequence[MPI.Request] = ()) -> float:
         """Average gradients across ranks weighted by ``weight`` and return the total weight.
 
         If every rank passed 0 the gradients become zero, so an optimizer step
-        changes nothing (apart from momentum and weight decay).
+        changes nothing (apart from momentum and weight decay). ``alongside``
+        are other non-blocking requests (the trainer's step figures) completed
+        in the same wait: one synchronisation per step instead of two, which on
+        an oversubscribed machine saves a round of waking every rank.
 
         Raises:
             mpi4py.MPI.Exception: a peer failed (under ULFM); the local gradients
@@ -89,7 +92,7 @@ class WeightedAllreduce:
             requests.append(self.comm.Iallreduce(MPI.IN_PLACE, [view, MPI.FLOAT], op=MPI.SUM))
             self.bytes_sent += view.nbytes
             self.calls += 1
-        self._wait(requests)
+        self._wait([*alongside, *requests])
         total = float(self._buf[-1])
         if total > 0:
             flat[:-1].div_(total)
@@ -107,9 +110,7 @@ class WeightedAllreduce:
         try:
             for request in requests:
                 while not request.Test():
-                    waited = time.perf_counter() - start
-                    if waited > SPIN_S:
-                        time.sleep(min(MAX_SLEEP_S, max(FIRST_SLEEP_S, waited / 10)))
+                    pause(time.perf_counter() - start)
         finally:
             self.wait_s += time.perf_counter() - start
 

@@ -66,6 +66,13 @@ class AuditedComm:
             self.recv += _nbytes(recvbuf) - n
         self.comm.Gather(sendbuf, recvbuf, root=root)
 
+    def Igather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> MPI.Request:
+        n = _nbytes(sendbuf)
+        self.sent += n
+        if self.comm.Get_rank() == root:
+            self.recv += _nbytes(recvbuf) - n
+        return self.comm.Igather(sendbuf, recvbuf, root=root)
+
     def Bcast(self, buf: Any, root: int = 0) -> None:
         n = _nbytes(buf)
         if self.comm.Get_rank() == root:

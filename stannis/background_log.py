@@ -4,14 +4,17 @@ Rank 0 is also the host, the fastest trainer: every millisecond it spends
 appending rows to the HDF5 log (about 10-50 ms per step with five ranks on a
 busy machine) is a millisecond every CSD waits at the next gradient exchange.
 The writes go through the one `mpipipe.runlog.RunLog`, in order, from a thread
-that runs while torch computes (torch releases the GIL). Every row keeps the
-time at which it was recorded, not the time it was written.
+that runs while torch computes (torch releases the GIL), and consecutive steps
+are written together every quarter second (one resize per dataset for all of
+them: about 6 ms of CPU per step with five ranks when written one by one).
+Every row keeps the time at which it was recorded, not the time it was written.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 from mpipipe.runlog import RunLog
@@ -19,6 +22,9 @@ from mpipipe.runlog import RunLog
 
 class BackgroundLog:
     """Forwards ``step``, ``eval``, ``event`` and ``set_attr`` to a RunLog from one thread."""
+
+    #: Seconds the writer gathers records before writing them (what a SIGKILL may lose more).
+    BATCH_S = 0.25
 
     def __init__(self, log: RunLog) -> None:
         self.log = log
@@ -31,14 +37,35 @@ class BackgroundLog:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            name, args, kwargs = item
-            try:
-                getattr(self.log, name)(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - reported by drain()
-                self._error = self._error or e
+            items = [self._queue.get()]
+            # Steps are written together, at most every BATCH_S: one resize and one
+            # write per dataset for all of them instead of one per row.
+            time.sleep(self.BATCH_S)
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            steps: list[dict] = []
+            for item in [*items, ("flush", (), {})]:
+                if item is None or item[0] != "step":
+                    self._write("steps", (steps,), {})
+                    steps = []
+                if item is None:
+                    return
+                name, args, kwargs = item
+                if name == "step":
+                    steps.append({"step": args[0], **kwargs})
+                elif name != "flush":
+                    self._write(name, args, kwargs)
+
+    def _write(self, name: str, args: tuple, kwargs: dict) -> None:
+        if name == "steps" and not args[0]:
+            return
+        try:
+            getattr(self.log, name)(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported by drain()
+            self._error = self._error or e
 
     def _put(self, name: str, *args: Any, **kwargs: Any) -> None:
         if not self.log.active:

@@ -64,6 +64,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "slowdowns": [],  # per-CSD override of slowdown, one per CSD
         "threads": 1,  # torch threads per CSD rank
         "nice": 0,  # emulated CSDs run at this CPU niceness (0: unchanged), see docs/stannis.md
+        "bind_cpus": True,  # emulated, one machine: CSDs on the last cores, the host on the rest
         "max_batch": 256,  # memory cap of one CSD's batch
         "idle_w": 5.0,
         "active_w": 10.0,

@@ -2,20 +2,26 @@
 
 There is no CSD on these machines. A CSD rank is an ordinary process whose
 each step's compute time is stretched by a slow-down factor: its step lasts
-``factor`` times the CPU time its forward and backward passes took (it sleeps
+``factor`` times the CPU time its forward and backward passes take (it sleeps
 for the rest, so it yields its core instead of stealing it from the host). CPU
 time, not wall time, is the base because on a machine with fewer cores than
 ranks the wall time also counts the time a rank waited for a core, which a
-real device with its own cores would not; runs
-with a given number of torch threads, and is charged energy by a power model
-(idle and active watts). On real CSDs the factor is 1 and nothing is stretched.
-A ``slow`` fault multiplies the factor from a given step on, to emulate other
-work on the drive.
+real device with its own cores would not. The CPU time is the fastest of the
+rank's recent steps at the same batch size, not each step's own: emulated CSDs
+sharing one core evict each other's caches, and the factor would multiply that
+artefact of the emulation (a real drive computes on its own cores) eightfold.
+The rank runs with a given number of torch threads, is bound to its own cores
+when all ranks share one machine (`cpu_binding`), and is charged energy by a
+power model (idle and active watts). On real CSDs the factor is 1 and nothing
+is stretched. A ``slow`` fault multiplies the factor from a given step on, to
+emulate other work on the drive.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,12 +56,16 @@ class CsdProfile:
 class Stretch:
     """Applies a rank's slow-down factor to each step's measured compute time."""
 
+    #: How many recent steps per batch size the CPU-time base is the fastest of.
+    MEMORY = 8
+
     def __init__(self, factor: float = 1.0, sleep=time.sleep) -> None:
         if factor < 1.0:
             raise ValueError(f"slow-down factor must be >= 1, got {factor}")
         self.base = factor
         self.extra = 1.0
         self._sleep = sleep
+        self._recent: dict[int, deque[float]] = {}
 
     @property
     def factor(self) -> float:
@@ -68,16 +78,38 @@ class Stretch:
             raise ValueError(f"slow factor must be > 0, got {factor}")
         self.extra *= factor
 
-    def apply(self, cpu_s: float, wall_s: float | None = None) -> float:
+    def apply(self, cpu_s: float, wall_s: float | None = None, batch: int = 0) -> float:
         """Stretch a step whose compute took ``cpu_s`` of CPU and ``wall_s`` so far.
 
-        Sleeps until ``factor * cpu_s`` of wall time has passed (nothing if the
+        Sleeps until ``factor`` times the CPU-time base has passed (nothing if the
         step already took that long) and returns the compute's wall time after
-        stretching. That is what the tuner balances: on a shared machine a rank
-        that waits for a core is slower, and the step waits for it all the same.
+        stretching. The base is the least CPU time of the last `MEMORY` steps at
+        this ``batch`` size (this one included). The returned time is what the
+        tuner balances: on a shared machine a rank that waits for a core is
+        slower, and the step waits for it all the same.
         """
-        target = self.factor * max(cpu_s, 0.0)
+        recent = self._recent.setdefault(batch, deque(maxlen=self.MEMORY))
+        recent.append(max(cpu_s, 0.0))
+        target = self.factor * min(recent)
         wall = cpu_s if wall_s is None else wall_s
         if target > wall:
             self._sleep(target - wall)
         return max(target, wall)
+
+
+def cpu_binding(index: int, duties: Sequence[float], cpus: Sequence[int]) -> list[int]:
+    """The CPUs rank ``index`` (0 = host, k = CSD k) is bound to when all share one machine.
+
+    A real CSD computes on the drive's own cores and never slows the host; on
+    one machine the emulated CSDs get the last cores, one each while there are
+    enough, shared round-robin otherwise, and the host keeps the rest (at least
+    one). ``duties`` are the CSDs' busy fractions (threads / slow-down factor):
+    when they do not fit on the CSDs' cores, binding would make them slower
+    than emulated, so nobody is bound (every rank gets all ``cpus``).
+    """
+    cpus = sorted(cpus)
+    k = min(len(duties), len(cpus) - 1)
+    if k < 1 or sum(duties) > k:
+        return cpus
+    host, devices = cpus[:len(cpus) - k], cpus[len(cpus) - k:]
+    return host if index == 0 else [devices[(index - 1) % k]]

@@ -23,7 +23,7 @@ from .allreduce import WeightedAllreduce
 from .audit import AuditedComm
 from .background_log import BackgroundLog
 from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, csd_dir, csd_profile, emulation, stannis_plan
-from .csd import Stretch
+from .csd import Stretch, cpu_binding
 from .data import BatchStream, DataError, open_split
 from .energy import EnergyError, PowerModel, make_meter
 from .hypertune import (
@@ -42,10 +42,18 @@ from .hypertune import (
 
 PROG = "stannis train"
 
-# One row of per-step figures every rank sends to the host (float64, buffer API).
-FIGURES = ("compute_s", "wait_s", "batch_size", "joules", "loss_sum", "bytes_sent", "bytes_recv",
-           "busy_s")
+# One row of figures every rank sends to the host per step (float64, buffer API), in
+# the same wait as the gradients: this step's, and the previous step's that are known
+# only after its exchange (so every step's log row is written one step late).
+STEP_FIGURES = ("compute_s", "batch_size", "loss_sum", "busy_s")
+LATE_FIGURES = ("wait_s", "joules", "bytes_sent", "bytes_recv")
+FIGURES = STEP_FIGURES + LATE_FIGURES
 FIG_BYTES = 8 * len(FIGURES)
+
+
+def _count(x: float) -> int:
+    """A byte count carried as float64; -1 where it was lost."""
+    return int(x) if math.isfinite(x) else -1
 
 
 class HostLost(RuntimeError):
@@ -103,12 +111,15 @@ class Trainer:
         except (DataError, EnergyError) as e:
             error = f"rank {self.world_rank} ({self.role}): {e}"
         verdicts = self.comm.allgather((error, len(self.stream) if error is None else 0,
-                                        self.meter.source if error is None else ""))
+                                        self.meter.source if error is None else "",
+                                        MPI.Get_processor_name()))
         errors = [v[0] for v in verdicts if v[0]]
         if errors:
             run.fail(errors[0])
         self.records = {r: v[1] for r, v in enumerate(verdicts)}
         self.sources = {r: v[2] for r, v in enumerate(verdicts)}
+        self.bindings = dict(enumerate(self.comm.allgather(
+            self._bind_cpus(one_machine=len({v[3] for v in verdicts}) == 1))))
         self.comm.take()  # start-up traffic is not a training step's
 
         in_shape = self._in_shape()
@@ -144,11 +155,32 @@ class Trainer:
         self.last_change_step = 0
         self.dropped_pending: list[int] = []
         self._cycle: float | None = None  # end of the last gradient exchange
+        self._post = (math.nan,) * len(LATE_FIGURES)  # last step's late figures, sent next
+        self._pending: dict[str, Any] | None = None  # host: the step row held back
         self.history: list[tuple[int, int, float]] = []  # host: (step, samples, end time)
         self.totals = {r: {"samples": 0, "joules": 0.0, "busy_s": 0.0} for r in self.members}
         self.step = 0
 
     # -- set-up -------------------------------------------------------------------------
+    def _bind_cpus(self, one_machine: bool) -> list[int] | None:
+        """Bind this rank's compute to its own cores when emulated CSDs share the host's machine.
+
+        Only the calling (main) thread and the threads it starts later are bound:
+        the host's log writer, already running, keeps every core. Returns the CPUs,
+        or None if nothing was bound.
+        """
+        c = self.cfg["csd"]
+        if not (c["bind_cpus"] and c["emulated"] and one_machine
+                and hasattr(os, "sched_setaffinity")):
+            return None
+        profiles = [csd_profile(self.cfg, k) for k in range(1, self.run.size)]
+        cpus = cpu_binding(0 if self.is_host else self.role.index,
+                           [p.threads / p.slowdown for p in profiles], os.sched_getaffinity(0))
+        if cpus == sorted(os.sched_getaffinity(0)):
+            return None
+        os.sched_setaffinity(0, cpus)
+        return cpus
+
     def _open_data(self, seed: int) -> tuple[BatchStream, Any]:
         cfg = self.cfg
         root = cfg["data"]["path"]
@@ -213,7 +245,7 @@ class Trainer:
             loss = self.loss_fn(self.model(x), y)
             loss.backward()
             loss_sum = float(loss.item()) * b
-        return self.stretch.apply(time.thread_time() - c0, time.perf_counter() - t0), loss_sum
+        return self.stretch.apply(time.thread_time() - c0, time.perf_counter() - t0, b), loss_sum
 
     def benchmark(self) -> None:
         """Time a few batch sizes on every rank; the host fits step models and tunes."""
@@ -339,6 +371,11 @@ class Trainer:
         self._sync_from_host()
         self.optimizer.state.clear()
         dead, self.dropped_pending = self.dropped_pending, []
+        # The interrupted exchange carried the last step's late figures: that row is
+        # written without them.
+        self._post = (math.nan,) * len(LATE_FIGURES)
+        if self.is_host:
+            self._write_pending(None)
         if self.is_host and dead:
             for r in dead:
                 self.log.event("csd_dropped", step=self.step, rank=r, error=str(error),
@@ -365,6 +402,10 @@ class Trainer:
             self._plan_batches("start" if s["tune"] else "equal batches")
             for r in self.members:
                 self.log.event("energy_source", step=0, rank=r, source=self.sources[r])
+            if any(self.bindings.values()):
+                self.log.event("cpu_binding", step=0, cpus={r: c for r, c in self.bindings.items()},
+                               why="emulated CSDs bound to their own cores, as real drives compute "
+                                   "on theirs (csd.bind_cpus)")
         self._share_plan()
         self.comm.take()
         self.t_train = time.perf_counter()  # samples/s in the summary counts training only
@@ -385,6 +426,7 @@ class Trainer:
             if self.is_host and eval_every and self.step % eval_every == 0 and \
                     self.step < steps:
                 self.evaluate()
+        self.flush_figures()
         if self.is_host:
             accuracy = self.evaluate()
             self._summary(accuracy)
@@ -407,14 +449,17 @@ class Trainer:
         self.stretch.extra = self.faults.slowdown(index)
         b = self.batches[pos]
         compute_s, loss_sum = self._compute(b)
+        # Busy time: from the end of the last gradient exchange to the start of this
+        # one. It counts what compute_s does not (the optimizer, the host's logging and
+        # evaluation), which the step time of the job pays all the same.
+        busy_s = compute_s if self._cycle is None else time.perf_counter() - self._cycle
+        # This step's figures, and the previous step's that only its end knew, travel
+        # to the host in the same wait as the gradients (see FIGURES).
+        row = np.array([compute_s, b, loss_sum, busy_s, *self._post], dtype=np.float64)
+        table = np.zeros((self.comm.Get_size(), len(FIGURES))) if self.is_host else None
         self.reducer.reset_counters()
-        total = self.reducer.reduce(b)
-        # Busy time: one full cycle between gradient exchanges minus the time spent
-        # waiting in it. It counts what compute_s does not (the optimizer, the host's
-        # logging and evaluation), which the step time of the job pays all the same.
-        now = time.perf_counter()
-        busy_s = compute_s if self._cycle is None else now - self._cycle - self.reducer.wait_s
-        self._cycle = now
+        total = self.reducer.reduce(b, alongside=[self.comm.Igather(row, table, root=0)])
+        self._cycle = time.perf_counter()
         lr = scaled_lr(o["lr"], o["base_batch"], int(total), index, o["warmup_steps"])
         if o["schedule"] == "cosine":
             lr *= 0.5 * (1.0 + math.cos(math.pi * index / steps))
@@ -422,46 +467,72 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         joules = self.meter.stop(compute_s)
-        sent, recv = self.comm.take()
-        if self.is_host:
-            recv += (self.comm.Get_size() - 1) * FIG_BYTES
-        row = np.array([compute_s, self.reducer.wait_s, b, joules, loss_sum,
-                        sent + FIG_BYTES, recv, busy_s], dtype=np.float64)
-        table = np.zeros((self.comm.Get_size(), len(FIGURES))) if self.is_host else None
-        self.comm.Gather(row, table, root=0)
-        self.comm.take()  # the gather is already in the row; a plan broadcast counts next step
+        sent, recv = self.comm.take()  # this step's gradients and figures, and any plan
+        self._post = (self.reducer.wait_s, joules, sent, recv)
         self.step = index + 1
         if self.is_host:
-            wall = time.perf_counter() - t_start
-            self._record(table, wall)
+            self._record(table, time.perf_counter() - t_start)
             self._maybe_retune()
         if s["tune"] and self.step % s["retune_every"] == 0:
             self._share_plan()
 
     def _record(self, table: np.ndarray, wall: float) -> None:
-        ranks = {}
+        """Host: account one step from the exchanged table, and log the step before it.
+
+        The table holds this step's figures (what the tuner needs now) and the
+        previous step's late ones (wait, joules, bytes), which complete the log row
+        held back one step.
+        """
+        self._write_pending(table[:, len(STEP_FIGURES):])
         total_b = 0
         loss_sum = 0.0
+        now = {}
         for pos, r in enumerate(self.members):
-            fig = dict(zip(FIGURES, table[pos], strict=True))
+            fig = dict(zip(STEP_FIGURES, table[pos, :len(STEP_FIGURES)], strict=True))
             b = int(fig["batch_size"])
             total_b += b
             loss_sum += fig["loss_sum"]
-            ranks[r] = {"compute_s": fig["compute_s"], "wait_s": fig["wait_s"],
-                        "bytes_sent": int(fig["bytes_sent"]), "bytes_recv": int(fig["bytes_recv"]),
-                        "batch_size": b, "joules": fig["joules"], "busy_s": fig["busy_s"]}
+            now[r] = {"compute_s": fig["compute_s"], "batch_size": b, "busy_s": fig["busy_s"]}
             if b > 0:
                 self.window[r].append(fig["busy_s"])
             t = self.totals.setdefault(r, {"samples": 0, "joules": 0.0, "busy_s": 0.0})
             t["samples"] += b
-            t["joules"] += fig["joules"]
             t["busy_s"] += fig["compute_s"]
         loss = loss_sum / total_b if total_b else math.nan
         sps = total_b / wall if wall > 0 else math.nan
-        self.log.step(self.step, loss=loss, samples=total_b, samples_per_s=sps, ranks=ranks)
+        self._pending = {"step": self.step, "time": self.log.elapsed(), "loss": loss,
+                         "samples": total_b, "samples_per_s": sps, "ranks": now}
         self.run.progress.update(self.step, loss=loss, samples_per_s=sps)
         self.last_loss = loss
         self.history.append((self.step, total_b, time.perf_counter()))
+
+    def _write_pending(self, late: np.ndarray | None) -> None:
+        """Host: write the held-back step row with its late figures (NaN if lost)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        ranks = pending.pop("ranks")
+        for pos, (r, fig) in enumerate(ranks.items()):
+            values = late[pos] if late is not None else [math.nan] * len(LATE_FIGURES)
+            wait_s, joules, sent, recv = (float(v) for v in values)
+            fig.update(wait_s=wait_s, joules=joules, bytes_sent=_count(sent),
+                       bytes_recv=_count(recv))
+            if math.isfinite(joules):
+                self.totals[r]["joules"] += joules
+        self.log.step(pending.pop("step"), ranks=ranks, **pending)
+
+    def flush_figures(self) -> None:
+        """Every rank: send the last step's late figures so its log row can be written.
+
+        Collective; call once training stops (the bytes are not a step's).
+        """
+        row = np.array([math.nan] * len(STEP_FIGURES) + list(self._post), dtype=np.float64)
+        table = np.zeros((self.comm.Get_size(), len(FIGURES))) if self.is_host else None
+        self.comm.Gather(row, table, root=0)
+        self.comm.take()
+        self._post = (math.nan,) * len(LATE_FIGURES)
+        if self.is_host:
+            self._write_pending(table[:, len(STEP_FIGURES):])
 
     def evaluate(self) -> float:
         """Host: accuracy on the public test split."""
