@@ -125,6 +125,26 @@ def test_runlog_round_trip(tmp_path):
                            "detail": {"detected_after_s": 0.5, "recovery_s": 1.5}}]
 
 
+def test_runlog_writes_several_steps_at_once_like_one_by_one(tmp_path):
+    rows = [{"step": i, "time": 0.1 * i, "loss": 1.0 / i, "samples": 8, "samples_per_s": 80.0,
+             "ranks": {0: {"compute_s": 0.1, "wait_s": 0.0, "bytes_sent": i, "bytes_recv": 0},
+                       **({1: {"compute_s": 0.2, "extra": 5}} if i != 2 else {})}}
+            for i in (1, 2, 3)]
+    for name, write in [("batch", lambda log: log.steps(rows)),
+                        ("single", lambda log: [log.step(r["step"], **{k: v for k, v in r.items()
+                                                                         if k != "step"}) for r in rows])]:
+        with RunLog(tmp_path / f"{name}.h5", system="mpipipe", config={}, comm_size=2) as log:
+            write(log)
+    batch, single = open_log(tmp_path / "batch.h5"), open_log(tmp_path / "single.h5")
+    for key in ("step", "time", "loss"):
+        np.testing.assert_array_equal(batch.steps[key], single.steps[key])
+    for rank in (0, 1):
+        for key, column in single.ranks[rank].items():
+            np.testing.assert_array_equal(batch.ranks[rank][key], column)
+    assert list(batch.ranks[1]["step"]) == [1, 3]
+    assert list(batch.ranks[0]["bytes_sent"]) == [1, 2, 3]
+
+
 def test_runlog_failure_status_and_null(tmp_path):
     path = tmp_path / "run.h5"
     with pytest.raises(RuntimeError):

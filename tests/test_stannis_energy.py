@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from stannis.csd import CsdProfile, Stretch
+from stannis.csd import CsdProfile, Stretch, cpu_binding
 from stannis.energy import EnergyError, PowerModel, Rapl, make_meter
 
 
@@ -73,6 +73,31 @@ def test_stretch_sleeps_for_the_extra_time() -> None:
     assert slept[-1] == pytest.approx(0.01)
     assert Stretch(2.0, sleep=slept.append).apply(0.01, wall_s=0.05) == pytest.approx(0.05)
     assert len(slept) == 2
+
+
+def test_stretch_base_is_the_fastest_recent_step_at_that_batch() -> None:
+    slept = []
+    s = Stretch(8.0, sleep=slept.append)
+    assert s.apply(0.010, batch=64) == pytest.approx(0.08)
+    # Cache interference from a neighbour inflates CPU time; the factor does not multiply it.
+    assert s.apply(0.015, wall_s=0.02, batch=64) == pytest.approx(0.08)
+    # Another batch size has its own base.
+    assert s.apply(0.020, batch=128) == pytest.approx(0.16)
+    for _ in range(Stretch.MEMORY):
+        s.apply(0.012, batch=64)
+    assert s.apply(0.012, batch=64) == pytest.approx(0.096)  # the 0.010 step aged out
+
+
+def test_cpu_binding_separates_csds_from_the_host_when_they_fit() -> None:
+    eighth = [1 / 8] * 4
+    assert cpu_binding(0, eighth, [0, 1]) == [0]
+    assert [cpu_binding(k, eighth, [0, 1]) for k in range(1, 5)] == [[1]] * 4
+    assert cpu_binding(0, eighth, range(8)) == [0, 1, 2, 3]
+    assert [cpu_binding(k, eighth, range(8)) for k in range(1, 5)] == [[4], [5], [6], [7]]
+    assert [cpu_binding(k, eighth, [0, 1, 2]) for k in range(1, 5)] == [[1], [2], [1], [2]]
+    # Four CSDs at half speed need two cores of their own: not there, nobody is bound.
+    assert cpu_binding(2, [1 / 2] * 4, [0, 1]) == [0, 1]
+    assert cpu_binding(0, eighth, [3]) == [3]
 
 
 def test_csd_profile_checks_and_describes_itself() -> None:
