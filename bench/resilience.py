@@ -17,7 +17,7 @@ ratio or a time relative to its own run, because the machine is shared and noisy
   completed step; final_accuracy_kill against final_accuracy_clean (same run without
   the kill); baseline_kill_outcome: what the plain pipeline did with the same kill
 - stall_recovery_steps: from the stall of stage 1 to the next completed step, in
-  median step times (deadline = 5 x median step time)
+  median step times (deadline = 2 x median step time)
 - time_to_accuracy_respipe / _baseline: seconds to reach the accuracy target when
   stage 1 straggles (p = 0.1 per step, 2 s each): ResPipe replaces it after its first
   late step; the plain pipeline waits every time
@@ -116,9 +116,9 @@ def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Pa
         "kill": (6, (ALL, "resilience.replicate_every=10", f"inject:kill:stage=1:step={kill_at}"),
                  True),
         "plain_kill": (3, (NONE, f"inject:kill:stage=1:step={kill_at}"), True),
-        "stall": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=5",
+        "stall": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=2",
                       f"inject:stall:stage=1:step={stall_at}:seconds=3"), True),
-        "delay": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=5",
+        "delay": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=2",
                       "inject:delay:stage=1:p=0.1:seconds=2"), True),
         "plain_delay": (3, (NONE, "inject:delay:stage=1:p=0.1:seconds=2"), True),
     }
@@ -172,7 +172,7 @@ def plot(logs: dict[str, Path], out: Path) -> None:
     for ax, names, title in (
             (ax1, [("r10", "failure-free (ResPipe R=10)"), ("kill", "kill stage 1, backup"),
                    ("plain_kill", "kill stage 1, plain pipeline")], "a dead stage"),
-            (ax2, [("delay", "ResPipe (deadline 5x median)"),
+            (ax2, [("delay", "ResPipe (deadline 2x median)"),
                    ("plain_delay", "plain pipeline (waits)")], "stage 1 straggles (p=0.1, 2 s)")):
         for name, label in names:
             run = open_log(logs[name])

@@ -219,7 +219,8 @@ def worker(args: argparse.Namespace) -> None:
         tuned_plan = list(tr.batches)
         rounds.append({"host_interference": host_interference, "load_avg": os.getloadavg()[0],
                        "host_only_cores": host_only_cores, "tuned_cores": tuned_cores,
-                       "standalone": standalone, "independent": independent, "host_only": host_only, "host_spj": host_spj,
+                       "standalone": standalone, "independent": independent,
+                       "host_only": host_only, "host_spj": host_spj,
                        "equal": equal, "equal_spj": equal_spj, "tuned": tuned,
                        "tuned_spj": tuned_spj})
 

@@ -54,6 +54,7 @@ __all__ = [
     "replica_numel",
     "SHADOW_GRAD_MICRO",
     "BatchCache",
+    "round_patience",
     "train",
 ]
 
@@ -65,12 +66,29 @@ _ANNOUNCE, _DECISION, _DEMOTED, _END, _FIGS, _FAULT, _EVAL = range(1, 8)
 _CTL_LEN = 256
 _REASONS = {0: "none", 1: "late", 2: "failed", 3: "revoked", 4: "announced"}
 _BACKUP_POLL_S = 0.02
+MIN_DEADLINE_S = 0.015  # floor of a deadline set in median step times
+QUICK_GRACE_S = 0.01  # floor of the wait for an answer from a rank already found late
 _DEBUG = bool(os.environ.get("MPIPIPE_DEBUG_ROUNDS"))
 if _DEBUG:
     import faulthandler
     import signal
 
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack
+
+
+def round_patience(silent: Sequence[int], late: Iterable[int], members: int, grace: float,
+                   quick: float) -> float:
+    """How long a round's coordinator waits for ``silent`` ranks before leaving them out.
+
+    ``quick`` if every silent rank was already found late by a survivor (it has
+    had its deadline); ``grace`` otherwise; four times ``grace`` before leaving
+    out half the members or more, which is more likely this rank's own isolation
+    than theirs.
+    """
+    if len(silent) >= members / 2:
+        return 4 * grace
+    late = set(late)
+    return quick if silent and all(w in late for w in silent) else grace
 
 
 class StageLost(RuntimeError):
@@ -338,10 +356,14 @@ class ResPipe:
     def _drank(self, world_rank: int) -> int:
         return self.members.index(world_rank)
 
+    def _median_step(self) -> float:
+        """The running median step time (0 before any step)."""
+        return statistics.median(self.step_times) if self.step_times else 0.0
+
     def _deadline(self) -> float:
         s = self.settings
         if s.deadline_factor > 0 and len(self.step_times) >= 5:
-            return max(s.deadline_factor * statistics.median(self.step_times), 0.1)
+            return max(s.deadline_factor * self._median_step(), MIN_DEADLINE_S)
         return s.deadline_s
 
     def _say(self, text: str) -> None:
@@ -825,8 +847,11 @@ class ResPipe:
         start = time.perf_counter()
         # How long a round waits for silent ranks before it leaves them out: a deadline,
         # at least half a second, so that ranks that merely wait for a core (many ranks
-        # on few cores) are not taken for stalled ones.
+        # on few cores) are not taken for stalled ones. A rank some survivor already
+        # found late has had its deadline: it gets one more median step to answer
+        # (a slow rank that answers stays in; one that does not is replaced).
         grace = min(max(self._deadline(), 0.5), 5.0)
+        quick = min(grace, max(self._median_step(), QUICK_GRACE_S))
         decision = None
         while decision is None:
             if self._demoted():
@@ -844,9 +869,8 @@ class ResPipe:
             silent = [w for w in self.members if w not in heard and not (dead >> w) & 1]
             waited = time.perf_counter() - start
             coordinator = min(heard)
-            # Leaving out a majority is more likely this rank's own isolation than theirs:
-            # wait longer before doing so.
-            patience = grace if len(silent) < len(self.members) / 2 else 4 * grace
+            late = {int(m[8]) for m in heard.values() if _REASONS[int(m[7])] == "late"}
+            patience = round_patience(silent, late, len(self.members), grace, quick)
             if coordinator == self.wrank and (not silent or waited > patience):
                 decision = self._decide(heard, dead, silent)
                 for w in decision["members"]:

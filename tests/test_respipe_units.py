@@ -214,3 +214,16 @@ def test_replica_round_trip_restores_parameters_and_optimizer_state(optim):
     train(dst, dst_opt, 2)  # the copy continues exactly like the original
     for a, b in zip(src.parameters(), dst.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_round_waits_briefly_only_for_ranks_already_found_late() -> None:
+    from mpipipe.resilience import round_patience
+
+    # Stage 1 (rank 1) missed its deadline: one more median step, then it is replaced.
+    assert round_patience([1], late=[1], members=6, grace=0.5, quick=0.01) == 0.01
+    # A rank nobody found late may only be waiting for a core: the full grace.
+    assert round_patience([1, 4], late=[1], members=6, grace=0.5, quick=0.01) == 0.5
+    assert round_patience([4], late=[], members=6, grace=0.5, quick=0.01) == 0.5
+    # Leaving out half the members or more waits four times longer, late or not.
+    assert round_patience([1, 2, 3], late=[1, 2, 3], members=6, grace=0.5, quick=0.01) == 2.0
+    assert round_patience([], late=[], members=6, grace=0.5, quick=0.01) == 0.5
