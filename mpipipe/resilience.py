@@ -1037,10 +1037,6 @@ class ResPipe:
                       default=math.nan)
         detected_after = d["t_detect"] - t_fault if not math.isnan(t_fault) else d["waited_s"]
         if self.is_logger:
-            t_fault = min((self.fault_notes.get(w, (math.nan,))[0] for w in gone),
-                          default=math.nan)
-            detected_after = d["t_detect"] - t_fault if not math.isnan(t_fault) \
-                else d["waited_s"]
             kind = "failure_detected" if d["reason"] == "failed" or d["shrink"] else "late"
             for w in gone:
                 self._log_event(kind, P, w, detected_after_s=detected_after,
