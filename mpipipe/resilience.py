@@ -42,7 +42,7 @@ from .costmodel import predict, stage_shapes
 from .inject import Fault, FaultPlan
 from .pipeline import SHADOW_GRAD_MICRO, Pipeline, Route
 from .replica import pack_state, replica_numel, unpack_state
-from .transport import REPLICA, SHADOW, Late, PeerFailed
+from .transport import REPLICA, SHADOW, Late, PeerFailed, pause
 
 __all__ = [
     "Settings",
@@ -66,8 +66,8 @@ _ANNOUNCE, _DECISION, _DEMOTED, _END, _FIGS, _FAULT, _EVAL = range(1, 8)
 _CTL_LEN = 256
 _REASONS = {0: "none", 1: "late", 2: "failed", 3: "revoked", 4: "announced"}
 _BACKUP_POLL_S = 0.02
-MIN_DEADLINE_S = 0.015  # floor of a deadline set in median step times
-QUICK_GRACE_S = 0.01  # floor of the wait for an answer from a rank already found late
+MIN_DEADLINE_S = 0.008  # floor of a deadline set in median step times
+QUICK_GRACE_S = 0.003  # floor of the wait for an answer from a rank already found late
 _DEBUG = bool(os.environ.get("MPIPIPE_DEBUG_ROUNDS"))
 if _DEBUG:
     import faulthandler
@@ -848,10 +848,10 @@ class ResPipe:
         # How long a round waits for silent ranks before it leaves them out: a deadline,
         # at least half a second, so that ranks that merely wait for a core (many ranks
         # on few cores) are not taken for stalled ones. A rank some survivor already
-        # found late has had its deadline: it gets one more median step to answer
+        # found late has had its deadline: it gets half a median step more to answer
         # (a slow rank that answers stays in; one that does not is replaced).
         grace = min(max(self._deadline(), 0.5), 5.0)
-        quick = min(grace, max(self._median_step(), QUICK_GRACE_S))
+        quick = min(grace, max(self._median_step() / 2, QUICK_GRACE_S))
         decision = None
         while decision is None:
             if self._demoted():
@@ -892,7 +892,7 @@ class ResPipe:
                 heard.pop(coordinator, None)
                 if coordinator == self.wrank:
                     raise RuntimeError("round failed: no decision reached")
-            time.sleep(0.001)
+            pause(waited)
         if _DEBUG:
             self._say(f"round gen {self.gen}: {rnd.reason} suspect {rnd.suspect} -> "
                       f"members {decision['members']} route {decision['route']} P {decision['P']}")
