@@ -163,6 +163,7 @@ def worker(args: argparse.Namespace) -> None:
         """Samples/s and samples/J of host + CSDs over ``steps`` training steps."""
         cfg["stannis"]["tune"] = tune
         barrier()
+        tr._cycle = None  # the busy time of the first step must not count the phase before
         before = {r: dict(t) for r, t in tr.totals.items()}
         t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):

@@ -150,7 +150,8 @@ class Trainer:
                     kill=lambda: None, on_fire=self._fault_logger(r))
         self.batches: list[int] = []
         self.profiles: dict[int, RankProfile] = {}
-        self.window: dict[int, deque[float]] = {}
+        # host: recent (batch, busy seconds) per rank; the tuner reads those at the plan in force
+        self.window: dict[int, deque[tuple[int, float]]] = {}
         self.last_change: list[int] = []
         self.last_change_step = 0
         self.dropped_pending: list[int] = []
@@ -306,9 +307,11 @@ class Trainer:
         s = self.cfg["stannis"]
         if not s["tune"] or self.step % s["retune_every"]:
             return
-        if any(len(self.window[r]) < s["retune_every"] for r in self.members):
+        at_plan = [[t for b, t in self.window[r] if b == batch]
+                   for r, batch in zip(self.members, self.batches, strict=True)]
+        if any(len(times) < s["retune_every"] for times in at_plan):
             return
-        observed = [float(np.median(self.window[r])) for r in self.members]
+        observed = [float(np.median(times)) for times in at_plan]
         level = imbalance([t if b > 0 else 0.0 for t, b in zip(observed, self.batches,
                                                                    strict=True)])
         if level <= s["imbalance_threshold"]:
@@ -494,7 +497,7 @@ class Trainer:
             loss_sum += fig["loss_sum"]
             now[r] = {"compute_s": fig["compute_s"], "batch_size": b, "busy_s": fig["busy_s"]}
             if b > 0:
-                self.window[r].append(fig["busy_s"])
+                self.window[r].append((b, fig["busy_s"]))
             t = self.totals.setdefault(r, {"samples": 0, "joules": 0.0, "busy_s": 0.0})
             t["samples"] += b
             t["busy_s"] += fig["compute_s"]
