@@ -18,4 +18,5 @@ extensions = [
     )
 ]
 
-setup(ext_modules=cythonize(extensions, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False}))
+setup(ext_modules=cythonize(extensions, language_level=3,
+                            compiler_directives={"boundscheck": False, "wraparound": False}))
