@@ -72,10 +72,7 @@ def _append(group: h5py.Group, fields: Mapping[str, Any], rows: Sequence[Mapping
         ds.resize((n + len(rows),))
         missing = "" if dtype is _STR else (-1 if np.issubdtype(dtype, np.integer) else math.nan)
         values = [missing if row.get(name) is None else row.get(name) for row in rows]
-        if len(rows) == 1:
-            ds[n] = values[0]
-        else:
-            ds[n:] = np.asarray(values, dtype=object if dtype is _STR else dtype)
+        ds[n:] = np.asarray(values, dtype=object if dtype is _STR else dtype)
 
 
 class RunLog:

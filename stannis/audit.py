@@ -59,18 +59,18 @@ class AuditedComm:
         self.recv += n
         return self.comm.Iallreduce(sendbuf, recvbuf, op=op)
 
-    def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+    def _count_gather(self, sendbuf: Any, recvbuf: Any, root: int) -> None:
         n = _nbytes(sendbuf)
         self.sent += n
         if self.comm.Get_rank() == root:
             self.recv += _nbytes(recvbuf) - n
+
+    def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:
+        self._count_gather(sendbuf, recvbuf, root)
         self.comm.Gather(sendbuf, recvbuf, root=root)
 
     def Igather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> MPI.Request:
-        n = _nbytes(sendbuf)
-        self.sent += n
-        if self.comm.Get_rank() == root:
-            self.recv += _nbytes(recvbuf) - n
+        self._count_gather(sendbuf, recvbuf, root)
         return self.comm.Igather(sendbuf, recvbuf, root=root)
 
     def Bcast(self, buf: Any, root: int = 0) -> None:

@@ -47,21 +47,23 @@ class BackgroundLog:
                 except queue.Empty:
                     break
             steps: list[dict] = []
-            for item in [*items, ("flush", (), {})]:
-                if item is None or item[0] != "step":
-                    self._write("steps", (steps,), {})
-                    steps = []
+            for item in items:
+                if item is not None and item[0] == "step":
+                    name, args, kwargs = item
+                    steps.append({"step": args[0], **kwargs})
+                    continue
+                self._write_steps(steps)  # before the record that followed them
+                steps = []
                 if item is None:
                     return
-                name, args, kwargs = item
-                if name == "step":
-                    steps.append({"step": args[0], **kwargs})
-                elif name != "flush":
-                    self._write(name, args, kwargs)
+                self._write(*item)
+            self._write_steps(steps)
+
+    def _write_steps(self, steps: list[dict]) -> None:
+        if steps:
+            self._write("steps", (steps,), {})
 
     def _write(self, name: str, args: tuple, kwargs: dict) -> None:
-        if name == "steps" and not args[0]:
-            return
         try:
             getattr(self.log, name)(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - reported by drain()

@@ -175,9 +175,10 @@ class Trainer:
                 and hasattr(os, "sched_setaffinity")):
             return None
         profiles = [csd_profile(self.cfg, k) for k in range(1, self.run.size)]
+        available = sorted(os.sched_getaffinity(0))
         cpus = cpu_binding(0 if self.is_host else self.role.index,
-                           [p.threads / p.slowdown for p in profiles], os.sched_getaffinity(0))
-        if cpus == sorted(os.sched_getaffinity(0)):
+                           [p.threads / p.slowdown for p in profiles], available)
+        if cpus == available:
             return None
         os.sched_setaffinity(0, cpus)
         return cpus
@@ -459,7 +460,7 @@ class Trainer:
         # This step's figures, and the previous step's that only its end knew, travel
         # to the host in the same wait as the gradients (see FIGURES).
         row = np.array([compute_s, b, loss_sum, busy_s, *self._post], dtype=np.float64)
-        table = np.zeros((self.comm.Get_size(), len(FIGURES))) if self.is_host else None
+        table = self._figure_table()
         self.reducer.reset_counters()
         total = self.reducer.reduce(b, alongside=[self.comm.Igather(row, table, root=0)])
         self._cycle = time.perf_counter()
@@ -509,6 +510,10 @@ class Trainer:
         self.last_loss = loss
         self.history.append((self.step, total_b, time.perf_counter()))
 
+    def _figure_table(self) -> np.ndarray | None:
+        """Host: the receive buffer of one gather of every member's FIGURES row."""
+        return np.zeros((self.comm.Get_size(), len(FIGURES))) if self.is_host else None
+
     def _write_pending(self, late: np.ndarray | None) -> None:
         """Host: write the held-back step row with its late figures (NaN if lost)."""
         pending, self._pending = self._pending, None
@@ -530,7 +535,7 @@ class Trainer:
         Collective; call once training stops (the bytes are not a step's).
         """
         row = np.array([math.nan] * len(STEP_FIGURES) + list(self._post), dtype=np.float64)
-        table = np.zeros((self.comm.Get_size(), len(FIGURES))) if self.is_host else None
+        table = self._figure_table()
         self.comm.Gather(row, table, root=0)
         self.comm.take()
         self._post = (math.nan,) * len(LATE_FIGURES)
