@@ -49,6 +49,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "retune_every": 5,  # share step times every N steps
         "imbalance_threshold": 0.25,  # re-tune when 1 - min/max step time exceeds this
         "min_gain": 0.1,  # ...and the new batches promise at least this relative gain
+        "max_oversample": 2.0,  # a rank's batch share <= this x its share of the records (0: off)
         "bucket_bytes": 4194304,  # gradient bytes per Iallreduce bucket
         "inject": [],  # fault specs, as with --inject (target ranks: rank=R)
     },
@@ -144,6 +145,9 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
                         f"a sample; need at least {1 + n}")
     if s["retune_every"] < 1:
         raise PlanError("stannis.retune_every must be >= 1")
+    if s["max_oversample"] != 0 and s["max_oversample"] < 1:
+        raise PlanError(f"stannis.max_oversample = {s['max_oversample']}: use 0 (no cap) or a "
+                        "factor >= 1 (a rank's batch share over its share of the records)")
     if not s["benchmark_batches"] or min(s["benchmark_batches"]) < 1:
         raise PlanError("stannis.benchmark_batches must list batch sizes >= 1, e.g. [8, 32]")
     if not 0.0 <= cfg["data"]["public_to_csds"] <= 1.0:

@@ -17,7 +17,13 @@ unit-tested without MPI. The papers give only abstracts; the rule is ours:
   imbalance ``1 - min/max`` passes a threshold each rank's step model is scaled
   to what was observed, the batches are recomputed, and the new plan is taken
   at the next step boundary if it predicts a clear gain (hysteresis: noise on
-  a shared machine must not make batch sizes flap).
+  a shared machine must not make batch sizes flap);
+* a rank's share of the global batch is capped at ``max_oversample`` times its
+  share of all training records (:func:`share_caps`): the update is the
+  gradient of the union batch, and a rank whose fitted cost per sample comes out
+  near zero (its steps are all overhead, or noise) must not fill the batch with
+  its own private data, which would train on one drive's records and starve the
+  rest.
 """
 
 from __future__ import annotations
@@ -236,6 +242,30 @@ def tune(profiles: Sequence[RankProfile], global_batch: int, objective: str = "t
                 + (1 - mix_weight) * c.samples_per_joule / best_spj)
 
     return max(candidates, key=score)
+
+
+def share_caps(records: Sequence[int], global_batch: int, max_oversample: float) -> \
+        list[int]:
+    """Per-rank batch caps that keep the union batch close to the data's make-up.
+
+    Rank ``i`` holds ``records[i]`` of all training records; its batch may be at
+    most ``ceil(max_oversample * global_batch * records[i] / sum(records))``, so
+    its records are drawn at most ``max_oversample`` times as often as an even
+    draw over all data would (a rank may always take fewer: slow ranks do). For
+    ``max_oversample >= 1`` the caps add up to at least ``global_batch``, so the
+    global batch always fits. ``max_oversample = 0`` turns the cap off.
+
+    Raises:
+        TuneError: a factor in (0, 1), negative record counts, or no records at all.
+    """
+    if max_oversample == 0:
+        return [global_batch] * len(records)
+    if max_oversample < 1:
+        raise TuneError(f"max_oversample must be 0 (off) or >= 1, got {max_oversample}")
+    if min(records, default=0) < 0 or sum(records) <= 0:
+        raise TuneError(f"record counts must be >= 0 with a positive sum, got {list(records)}")
+    total = sum(records)
+    return [math.ceil(max_oversample * global_batch * n / total - 1e-9) for n in records]
 
 
 def imbalance(step_times: Sequence[float]) -> float:

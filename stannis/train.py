@@ -7,6 +7,7 @@ import math
 import os
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from .hypertune import (
     imbalance,
     refit,
     scaled_lr,
+    share_caps,
     tune,
 )
 
@@ -150,6 +152,7 @@ class Trainer:
                     kill=lambda: None, on_fire=self._fault_logger(r))
         self.batches: list[int] = []
         self.profiles: dict[int, RankProfile] = {}
+        self.records: dict[int, int] = {}  # host: training records each rank holds
         # host: recent (batch, busy seconds) per rank; the tuner reads those at the plan in force
         self.window: dict[int, deque[tuple[int, float]]] = {}
         self.last_change: list[int] = []
@@ -254,18 +257,21 @@ class Trainer:
         s = self.cfg["stannis"]
         sizes = [min(b, self.max_batch) for b in s["benchmark_batches"]]
         self._compute(max(sizes))  # warm-up: first calls allocate and are not typical
-        row = np.zeros(len(sizes) * 2)
+        # (batch, fastest time) pairs, then this rank's record count (for the share caps)
+        row = np.zeros(len(sizes) * 2 + 1)
         for i, b in enumerate(sizes):
             # The fastest repeat: noise (a busy core, a cache miss) only ever adds time.
             times = [self._compute(b)[0] for _ in range(s["benchmark_repeats"])]
             row[2 * i], row[2 * i + 1] = b, float(np.min(times))
+        row[-1] = len(self.stream)
         self.optimizer.zero_grad(set_to_none=True)
         table = np.zeros((self.comm.Get_size(), len(row))) if self.is_host else None
         self.comm.Gather(row, table, root=0)
         if self.is_host:
             for pos, r in enumerate(self.members):
-                bs, ts = table[pos, 0::2], table[pos, 1::2]
+                bs, ts = table[pos, 0:-1:2], table[pos, 1:-1:2]
                 self.profiles[r] = self._rank_profile(r, fit_step_model(list(bs), list(ts)))
+                self.records[r] = int(table[pos, -1])
             self.log.event("benchmark", step=0, models={
                 r: {"overhead_s": p.model.overhead_s, "per_sample_s": p.model.per_sample_s}
                 for r, p in self.profiles.items()})
@@ -278,13 +284,28 @@ class Trainer:
         p = csd_profile(cfg, self.run.plan.role_of(r).index)
         return RankProfile(model, cfg["csd"]["max_batch"], 1, p.idle_w, p.active_w)
 
+    def _capped(self) -> list[RankProfile]:
+        """The members' profiles with each batch capped by its share of the records.
+
+        Recomputed at every plan, so the caps follow the data that is left after a
+        CSD is dropped (see hypertune.share_caps).
+        """
+        s = self.cfg["stannis"]
+        caps = share_caps([self.records[r] for r in self.members], s["global_batch"],
+                          s["max_oversample"])
+        out = []
+        for r, cap in zip(self.members, caps, strict=True):
+            p = self.profiles[r]
+            top = min(p.max_batch, cap)
+            out.append(replace(p, max_batch=top, min_batch=min(p.min_batch, top)))
+        return out
+
     def _plan_batches(self, reason: str, plan: Plan | None = None) -> None:
         """Host: choose batches for the current members (HyperTune or equal split)."""
         s = self.cfg["stannis"]
         old = list(self.batches)
         if s["tune"]:
-            profiles = [self.profiles[r] for r in self.members]
-            plan = plan or tune(profiles, s["global_batch"], s["objective"], s["mix_weight"])
+            plan = plan or tune(self._capped(), s["global_batch"], s["objective"], s["mix_weight"])
             new = list(plan.batches)
             predicted = plan.samples_per_s
         else:
@@ -320,6 +341,7 @@ class Trainer:
         fitted = refit([self.profiles[r] for r in self.members], self.batches, observed)
         for r, p in zip(self.members, fitted, strict=True):
             self.profiles[r] = p
+        fitted = self._capped()
         current = evaluate(fitted, self.batches)
         candidate = tune(fitted, s["global_batch"], s["objective"], s["mix_weight"])
         better = gain(current, candidate, s["objective"], s["mix_weight"])

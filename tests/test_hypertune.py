@@ -18,6 +18,7 @@ from stannis.hypertune import (
     imbalance,
     refit,
     scaled_lr,
+    share_caps,
     should_retune,
     tune,
 )
@@ -204,3 +205,51 @@ def test_damp_moves_part_way_and_keeps_the_sum() -> None:
                                                             strict=True))
     assert damp((10, 10), (4, 16), 1.0) == (4, 16)
     assert damp((10, 10, 10), (15, 15), 0.5) == (15, 15)  # a rank was dropped: no damping
+
+
+def test_share_caps_follow_each_ranks_share_of_the_records() -> None:
+    # The bench's layout: host 4096 records, four CSDs 1024 each (1/8 of all data each).
+    assert share_caps([4096] + [1024] * 4, 1536, 2.0) == [1536, 384, 384, 384, 384]
+    assert share_caps([3, 1], 10, 1.0) == [8, 3]  # ceil: the global batch always fits
+    assert share_caps([5, 0], 10, 2.0) == [20, 0]
+    assert share_caps([5, 1], 10, 0) == [10, 10]  # 0 turns the cap off
+    with pytest.raises(TuneError, match="max_oversample"):
+        share_caps([5, 1], 10, 0.5)
+    with pytest.raises(TuneError, match="record counts"):
+        share_caps([0, 0], 10, 2.0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(records=st.lists(st.integers(0, 10_000), min_size=1, max_size=8).filter(lambda r: sum(r)),
+       global_batch=st.integers(1, 4096), factor=st.floats(1.0, 8.0))
+def test_share_caps_always_hold_the_global_batch(records, global_batch, factor) -> None:
+    caps = share_caps(records, global_batch, factor)
+    assert sum(caps) >= global_batch
+    total = sum(records)
+    for n, cap in zip(records, caps, strict=True):
+        assert cap <= factor * global_batch * n / total + 1
+
+
+def test_a_rank_that_looks_free_per_sample_cannot_fill_the_batch() -> None:
+    # What a CI run once fitted on 8x8 digits: steps almost all overhead, and one CSD's
+    # per-sample cost lost in the noise. Uncapped, that CSD takes nearly the whole batch
+    # from its eighth of the data; capped at twice its share it takes 32 of 128.
+    models = [StepModel(0.010, 2e-4)] + [StepModel(0.012, 4e-4)] * 2 + \
+        [StepModel(0.010, 1e-6), StepModel(0.012, 4e-4)]
+    uncapped = tune([RankProfile(m, 256) for m in models], 128)
+    assert uncapped.batches[3] > 64
+    caps = share_caps([512] + [128] * 4, 128, 2.0)
+    capped = tune([RankProfile(m, c) for m, c in zip(models, caps, strict=True)], 128)
+    assert capped.batches[3] == 32 and sum(capped.batches) == 128
+
+
+def test_launch_plan_rejects_an_oversample_factor_below_one() -> None:
+    from mpipipe.config import load_config
+    from mpipipe.roles import PlanError
+    from stannis.config import STANNIS_DEFAULTS, stannis_plan
+
+    cfg = load_config(None, ["stannis.max_oversample=0.5"], STANNIS_DEFAULTS)
+    with pytest.raises(PlanError, match=r"stannis.max_oversample = 0.5: use 0 \(no cap\)"):
+        stannis_plan(cfg, 5)
+    for ok in ("0", "1", "2.5"):
+        stannis_plan(load_config(None, [f"stannis.max_oversample={ok}"], STANNIS_DEFAULTS), 5)
