@@ -102,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
     from stannis.config import STANNIS_CHOICES, STANNIS_DEFAULTS, emulation, stannis_plan
     from stannis.train import Trainer, equal_split
 
-    ns = argparse.Namespace(config=args.config, set=[], log=args.log, quiet=True, resume=None,
+    ns = argparse.Namespace(config=args.config, set=args.set, log=args.log, quiet=True, resume=None,
                             inject=[])
     run = start_run(ns, prog="bench/stannis.py", system="stannis", defaults=STANNIS_DEFAULTS,
                     choices=STANNIS_CHOICES, build_plan=stannis_plan,
@@ -317,6 +317,9 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=1536,
                         help="samples per step over all ranks (default 1536: about 130 per CSD)")
     parser.add_argument("--slowdown", type=float, default=8.0, help="CSD slow-down factor")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a trainer setting over the bench's config, as in `stannis train` "
+                             "(repeatable), e.g. --set stannis.imbalance_threshold=0.1")
     parser.add_argument("--keep", metavar="DIR", help="keep the data and the run log in DIR")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -335,7 +338,7 @@ def main() -> int:
     cmd = [str(Path(__file__).resolve()), "--worker",
            "--global-batch", str(args.global_batch), "--slowdown", str(args.slowdown),
            "--config", str(tmp / "bench.toml"), "--log", str(tmp / "bench.h5"),
-           "--out", str(out)]
+           "--out", str(out)] + [f"--set={kv}" for kv in args.set]
     proc = run_mpi(1 + CSDS, cmd, timeout=1200)
     if proc.returncode or not out.exists():
         print(f"bench/stannis.py: the MPI job failed:\n{proc.stderr[-3000:]}", file=sys.stderr)

@@ -21,7 +21,7 @@ from mpi4py import MPI
 _PASS_THROUGH = frozenset({
     "Get_rank", "Get_size", "Get_group", "Get_attr", "Set_errhandler", "Revoke", "Shrink",
     "Agree", "Is_revoked", "Free", "Get_failed", "Ack_failed", "Failure_ack",
-    "Failure_get_acked", "rank", "size", "group",
+    "Failure_get_acked", "rank", "size", "group", "Barrier",
 })
 
 

@@ -6,19 +6,27 @@ each step's compute time is stretched by a slow-down factor: its step lasts
 for the rest, so it yields its core instead of stealing it from the host). CPU
 time, not wall time, is the base because on a machine with fewer cores than
 ranks the wall time also counts the time a rank waited for a core, which a
-real device with its own cores would not. The CPU time is the fastest of the
-rank's recent steps at the same batch size, not each step's own: emulated CSDs
+real device with its own cores would not. The CPU time is the fastest per
+sample of the rank's recent steps at a similar batch size, not each step's own: emulated CSDs
 sharing one core evict each other's caches, and the factor would multiply that
 artefact of the emulation (a real drive computes on its own cores) eightfold.
 The rank runs with a given number of torch threads, is bound to its own cores
 when all ranks share one machine (`cpu_binding`), and is charged energy by a
-power model (idle and active watts). On real CSDs the factor is 1 and nothing
+power model (idle and active watts). Emulated CSDs bound to the same core take
+turns to compute (`CoreTurns`): when they all start a step at once, the kernel
+would slice the core between them every few milliseconds and each one's CPU
+time would grow by a third from evicted caches, an artefact a drive with its
+own cores does not have; taking turns costs nothing, as each sleeps most of its
+stretched step anyway. On real CSDs the factor is 1 and nothing
 is stretched. A ``slow`` fault multiplies the factor from a given step on, to
 emulate other work on the drive.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -56,8 +64,10 @@ class CsdProfile:
 class Stretch:
     """Applies a rank's slow-down factor to each step's measured compute time."""
 
-    #: How many recent steps per batch size the CPU-time base is the fastest of.
+    #: How many recent steps the CPU-time base is the fastest of.
     MEMORY = 8
+    #: Steps whose batch size is within this share of the current one count as similar.
+    NEAR = 0.25
 
     def __init__(self, factor: float = 1.0, sleep=time.sleep) -> None:
         if factor < 1.0:
@@ -65,7 +75,7 @@ class Stretch:
         self.base = factor
         self.extra = 1.0
         self._sleep = sleep
-        self._recent: dict[int, deque[float]] = {}
+        self._recent: deque[tuple[int, float]] = deque(maxlen=self.MEMORY)
 
     @property
     def factor(self) -> float:
@@ -83,14 +93,18 @@ class Stretch:
 
         Sleeps until ``factor`` times the CPU-time base has passed (nothing if the
         step already took that long) and returns the compute's wall time after
-        stretching. The base is the least CPU time of the last `MEMORY` steps at
-        this ``batch`` size (this one included). The returned time is what the
-        tuner balances: on a shared machine a rank that waits for a core is
-        slower, and the step waits for it all the same.
+        stretching. The base is the least CPU time per sample of the last
+        `MEMORY` steps whose batch was within `NEAR` of this ``batch`` (this one
+        included), times ``batch``: when the tuner moves a few samples, the base
+        carries over instead of starting again from one noisy step. The returned
+        time is what the tuner balances: on a shared machine a rank that waits for
+        a core is slower, and the step waits for it all the same.
         """
-        recent = self._recent.setdefault(batch, deque(maxlen=self.MEMORY))
-        recent.append(max(cpu_s, 0.0))
-        target = self.factor * min(recent)
+        cpu_s = max(cpu_s, 0.0)
+        self._recent.append((batch, cpu_s))
+        similar = [c * batch / b for b, c in self._recent
+                   if b > 0 and abs(b - batch) <= self.NEAR * batch]
+        target = self.factor * min(similar, default=cpu_s)
         wall = cpu_s if wall_s is None else wall_s
         if target > wall:
             self._sleep(target - wall)
@@ -113,3 +127,40 @@ def cpu_binding(index: int, duties: Sequence[float], cpus: Sequence[int]) -> lis
         return cpus
     host, devices = cpus[:len(cpus) - k], cpus[len(cpus) - k:]
     return host if index == 0 else [devices[(index - 1) % k]]
+
+
+class CoreTurns:
+    """A lock that emulated CSDs sharing one core hold while they compute.
+
+    An ``flock`` on a file every member opens before any of them unlinks it
+    (``release_name``), so no file outlives the job and the kernel frees the
+    lock of a member that dies holding it. A rank without a shared core gets a
+    no-op (``CoreTurns(None)``).
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600) if path else None
+
+    @staticmethod
+    def name(job: str, cpus: Sequence[int]) -> str:
+        """The lock file of one core set in one job (``job`` is unique per run)."""
+        return os.path.join(tempfile.gettempdir(),
+                            f"stannis-{job}-cpu{'-'.join(map(str, sorted(cpus)))}.lock")
+
+    def release_name(self) -> None:
+        """Unlink the file once every member has it open (the lock lives on)."""
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> CoreTurns:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)

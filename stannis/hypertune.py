@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 OBJECTIVES = ("throughput", "energy", "mix")
+#: A rank this many times slower (or faster) than its step model has changed speed.
+SUDDEN_JUMP = 1.5
 
 
 class TuneError(ValueError):
@@ -279,6 +281,16 @@ def imbalance(step_times: Sequence[float]) -> float:
     return 1.0 - min(busy) / max(busy)
 
 
+def scale_factors(profiles: Sequence[RankProfile], batches: Sequence[int],
+                  observed_s: Sequence[float]) -> list[float]:
+    """Observed over predicted compute time per rank (1 for ranks with no work or no data)."""
+    out = []
+    for p, b, t in zip(profiles, batches, observed_s, strict=True):
+        predicted = p.model.time(b)
+        out.append(t / predicted if b > 0 and t > 0 and predicted > 0 else 1.0)
+    return out
+
+
 def refit(profiles: Sequence[RankProfile], batches: Sequence[int],
           observed_s: Sequence[float]) -> list[RankProfile]:
     """Scale each busy rank's step model so that it predicts the observed compute time.
@@ -288,15 +300,19 @@ def refit(profiles: Sequence[RankProfile], batches: Sequence[int],
     ``observed / predicted``. When the model was right the factor is 1 and
     nothing changes. Ranks that did no work keep their model.
     """
-    out = []
-    for p, b, t in zip(profiles, batches, observed_s, strict=True):
-        predicted = p.model.time(b)
-        if b <= 0 or t <= 0 or predicted <= 0:
-            out.append(p)
-            continue
-        k = t / predicted
-        out.append(replace(p, model=StepModel(p.model.overhead_s * k, p.model.per_sample_s * k)))
-    return out
+    return [replace(p, model=StepModel(p.model.overhead_s * k, p.model.per_sample_s * k))
+            for p, k in zip(profiles, scale_factors(profiles, batches, observed_s), strict=True)]
+
+
+def sudden(factors: Sequence[float], jump: float = SUDDEN_JUMP) -> bool:
+    """True when some rank runs ``jump`` times slower or faster than its model says.
+
+    Such a rank changed speed (a ``slow`` fault, other work on its drive, a
+    finished interference), so the tuner moves all the way at once; smaller
+    misfits are model noise or shape, and a move that reverses the previous one
+    is damped instead.
+    """
+    return any(k >= jump or k <= 1.0 / jump for k in factors)
 
 
 def gain(current: Plan, candidate: Plan, objective: str = "throughput",

@@ -24,7 +24,7 @@ from .allreduce import WeightedAllreduce
 from .audit import AuditedComm
 from .background_log import BackgroundLog
 from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, csd_dir, csd_profile, emulation, stannis_plan
-from .csd import Stretch, cpu_binding
+from .csd import CoreTurns, Stretch, cpu_binding
 from .data import BatchStream, DataError, open_split
 from .energy import EnergyError, PowerModel, make_meter
 from .hypertune import (
@@ -37,8 +37,10 @@ from .hypertune import (
     gain,
     imbalance,
     refit,
+    scale_factors,
     scaled_lr,
     share_caps,
+    sudden,
     tune,
 )
 
@@ -114,7 +116,7 @@ class Trainer:
             error = f"rank {self.world_rank} ({self.role}): {e}"
         verdicts = self.comm.allgather((error, len(self.stream) if error is None else 0,
                                         self.meter.source if error is None else "",
-                                        MPI.Get_processor_name()))
+                                        MPI.Get_processor_name(), os.getpid()))
         errors = [v[0] for v in verdicts if v[0]]
         if errors:
             run.fail(errors[0])
@@ -122,6 +124,7 @@ class Trainer:
         self.sources = {r: v[2] for r, v in enumerate(verdicts)}
         self.bindings = dict(enumerate(self.comm.allgather(
             self._bind_cpus(one_machine=len({v[3] for v in verdicts}) == 1))))
+        self.turns = self._core_turns(job=f"{verdicts[0][4]}")  # the host's pid names the job
         self.comm.take()  # start-up traffic is not a training step's
 
         in_shape = self._in_shape()
@@ -152,7 +155,6 @@ class Trainer:
                     kill=lambda: None, on_fire=self._fault_logger(r))
         self.batches: list[int] = []
         self.profiles: dict[int, RankProfile] = {}
-        self.records: dict[int, int] = {}  # host: training records each rank holds
         # host: recent (batch, busy seconds) per rank; the tuner reads those at the plan in force
         self.window: dict[int, deque[tuple[int, float]]] = {}
         self.last_change: list[int] = []
@@ -185,6 +187,27 @@ class Trainer:
             return None
         os.sched_setaffinity(0, cpus)
         return cpus
+
+    def _core_turns(self, job: str) -> CoreTurns:
+        """Open the compute lock of this rank's core when other CSDs are bound to it too.
+
+        Collective (every rank knows the bindings): all members open their lock
+        file (named by ``job``, unique among running jobs), and after a barrier the first member of
+        each shared core unlinks it (see CoreTurns).
+        """
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r, cpus in self.bindings.items():
+            if cpus:
+                groups.setdefault(tuple(cpus), []).append(r)
+        shared = {cpus: ranks for cpus, ranks in groups.items() if len(ranks) > 1}
+        if not shared:
+            return CoreTurns(None)
+        mine = tuple(self.bindings[self.world_rank] or ())
+        turns = CoreTurns(CoreTurns.name(job, mine) if mine in shared else None)
+        self.comm.Barrier()
+        if mine in shared and self.world_rank == shared[mine][0]:
+            turns.release_name()
+        return turns
 
     def _open_data(self, seed: int) -> tuple[BatchStream, Any]:
         cfg = self.cfg
@@ -246,9 +269,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         if b > 0:
-            x, y = self.stream.next(b)
-            loss = self.loss_fn(self.model(x), y)
-            loss.backward()
+            with self.turns:  # CSDs that share a core take turns (see csd.CoreTurns)
+                x, y = self.stream.next(b)
+                loss = self.loss_fn(self.model(x), y)
+                loss.backward()
             loss_sum = float(loss.item()) * b
         return self.stretch.apply(time.thread_time() - c0, time.perf_counter() - t0, b), loss_sum
 
@@ -257,21 +281,18 @@ class Trainer:
         s = self.cfg["stannis"]
         sizes = [min(b, self.max_batch) for b in s["benchmark_batches"]]
         self._compute(max(sizes))  # warm-up: first calls allocate and are not typical
-        # (batch, fastest time) pairs, then this rank's record count (for the share caps)
-        row = np.zeros(len(sizes) * 2 + 1)
+        row = np.zeros(len(sizes) * 2)
         for i, b in enumerate(sizes):
             # The fastest repeat: noise (a busy core, a cache miss) only ever adds time.
             times = [self._compute(b)[0] for _ in range(s["benchmark_repeats"])]
             row[2 * i], row[2 * i + 1] = b, float(np.min(times))
-        row[-1] = len(self.stream)
         self.optimizer.zero_grad(set_to_none=True)
         table = np.zeros((self.comm.Get_size(), len(row))) if self.is_host else None
         self.comm.Gather(row, table, root=0)
         if self.is_host:
             for pos, r in enumerate(self.members):
-                bs, ts = table[pos, 0:-1:2], table[pos, 1:-1:2]
+                bs, ts = table[pos, 0::2], table[pos, 1::2]
                 self.profiles[r] = self._rank_profile(r, fit_step_model(list(bs), list(ts)))
-                self.records[r] = int(table[pos, -1])
             self.log.event("benchmark", step=0, models={
                 r: {"overhead_s": p.model.overhead_s, "per_sample_s": p.model.per_sample_s}
                 for r, p in self.profiles.items()})
@@ -338,7 +359,9 @@ class Trainer:
                                                                    strict=True)])
         if level <= s["imbalance_threshold"]:
             return
-        fitted = refit([self.profiles[r] for r in self.members], self.batches, observed)
+        models = [self.profiles[r] for r in self.members]
+        factors = scale_factors(models, self.batches, observed)
+        fitted = refit(models, self.batches, observed)
         for r, p in zip(self.members, fitted, strict=True):
             self.profiles[r] = p
         fitted = self._capped()
@@ -353,8 +376,10 @@ class Trainer:
         change = [t - b for t, b in zip(target, self.batches, strict=True)]
         reason = f"imbalance {level:.2f} > {s['imbalance_threshold']}, predicted gain {better:.0%}"
         recent = self.step - self.last_change_step <= 2 * s["retune_every"]
-        if recent and any(c * p < 0 for c, p in zip(change, self.last_change, strict=False)):
+        reverses = any(c * p < 0 for c, p in zip(change, self.last_change, strict=False))
+        if recent and reverses and not sudden(factors):
             # The last move overshot: the step models are off in shape; go half way.
+            # (Not when a rank changed speed: then the whole move is what it needs.)
             target = damp(self.batches, target, 0.5)
             reason += ", damped"
         self.last_change = [t - b for t, b in zip(target, self.batches, strict=True)]
@@ -431,7 +456,8 @@ class Trainer:
             if any(self.bindings.values()):
                 self.log.event("cpu_binding", step=0, cpus={r: c for r, c in self.bindings.items()},
                                why="emulated CSDs bound to their own cores, as real drives compute "
-                                   "on theirs (csd.bind_cpus)")
+                                   "on theirs (csd.bind_cpus); CSDs sharing a core take turns to "
+                                   "compute")
         self._share_plan()
         self.comm.take()
         self.t_train = time.perf_counter()  # samples/s in the summary counts training only

@@ -17,9 +17,11 @@ from stannis.hypertune import (
     gain,
     imbalance,
     refit,
+    scale_factors,
     scaled_lr,
     share_caps,
     should_retune,
+    sudden,
     tune,
 )
 
@@ -253,3 +255,12 @@ def test_launch_plan_rejects_an_oversample_factor_below_one() -> None:
         stannis_plan(cfg, 5)
     for ok in ("0", "1", "2.5"):
         stannis_plan(load_config(None, [f"stannis.max_oversample={ok}"], STANNIS_DEFAULTS), 5)
+
+
+def test_a_rank_that_changed_speed_is_sudden_noise_is_not() -> None:
+    p = RankProfile(StepModel(0.0, 0.001), 1000)
+    factors = scale_factors([p, p, p], [100, 0, 100], [0.2, 0.5, 0.11])
+    assert factors == [pytest.approx(2.0), 1.0, pytest.approx(1.1)]  # no work: no evidence
+    assert sudden(factors)  # a `slow:factor=2` fault looks like this
+    assert not sudden([1.1, 0.9, 1.3])  # a misfit or a noisy window
+    assert sudden([1.0, 0.6])  # interference that ended: the rank is faster than modelled

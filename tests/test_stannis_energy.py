@@ -75,14 +75,16 @@ def test_stretch_sleeps_for_the_extra_time() -> None:
     assert len(slept) == 2
 
 
-def test_stretch_base_is_the_fastest_recent_step_at_that_batch() -> None:
+def test_stretch_base_is_the_fastest_recent_step_per_sample_at_a_similar_batch() -> None:
     slept = []
     s = Stretch(8.0, sleep=slept.append)
     assert s.apply(0.010, batch=64) == pytest.approx(0.08)
     # Cache interference from a neighbour inflates CPU time; the factor does not multiply it.
     assert s.apply(0.015, wall_s=0.02, batch=64) == pytest.approx(0.08)
-    # Another batch size has its own base.
+    # A batch twice as large is not similar: its own CPU time is the base.
     assert s.apply(0.020, batch=128) == pytest.approx(0.16)
+    # A few more samples: the fastest per-sample time at 64 carries over (0.010 * 72 / 64).
+    assert s.apply(0.0125, batch=72) == pytest.approx(8 * 0.01125)
     for _ in range(Stretch.MEMORY):
         s.apply(0.012, batch=64)
     assert s.apply(0.012, batch=64) == pytest.approx(0.096)  # the 0.010 step aged out
