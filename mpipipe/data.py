@@ -94,6 +94,13 @@ class TrainBatches:
         self.sampler.seek(epoch, offset)
         self._it = None
 
+    def seek_batch(self, index: int) -> None:
+        """Continue with the ``index``-th batch since the start (0-based), without reading
+        the ones before: a backup that takes over the first or last stage at step S
+        starts there in constant time."""
+        epoch, k = divmod(index, len(self))
+        self.seek(epoch, k * self.batch_size)
+
 
 def count_test_batches(path: str | Path, batch_size: int) -> int:
     """Batches in one pass over the test split (the last one may be short)."""

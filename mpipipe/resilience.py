@@ -519,7 +519,8 @@ class ResPipe:
         ta = time.perf_counter()
         self._drain_fault_notes()
         slept = self.faults.at_step(s)
-        x, y = self.batch_of(s)
+        # Only the ends of the pipeline read data (the first its input, the last labels).
+        x, y = self.batch_of(s) if pipe.first or pipe.last else (None, None)
         if _DEBUG and self.gen and s <= self._gen_step + 1:
             self._say(f"step {s} start at {time.time() % 100:.3f}, data {time.perf_counter() - ta:.3f}")
         if self._rollback_possible():
@@ -1178,17 +1179,25 @@ class BatchCache:
     """
 
     def __init__(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                 keep: int = 3, first_step: int = 0) -> None:
+                 keep: int = 3, first_step: int = 0,
+                 seek: Callable[[int], None] | None = None) -> None:
         self.next_batch = next_batch
         self.keep = keep
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.next_step = first_step
+        self.seek = seek
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if step in self.cache:
             return self.cache[step]
         if step < self.next_step:
             raise RuntimeError(f"step {step} is older than the {self.keep} batches kept")
+        if self.seek is not None and step - self.next_step >= self.keep:
+            # Far behind (a backup that just took over): jump instead of reading every
+            # batch in between, and read the last `keep` so that replays still find them.
+            self.cache.clear()
+            self.next_step = step - self.keep + 1
+            self.seek(self.next_step)
         while self.next_step <= step:
             x, y = self.next_batch()
             self.cache[self.next_step] = (x.clone(), y.clone())
@@ -1262,11 +1271,16 @@ def train(run: Any) -> int:
                                             drop_last=cfg["data"]["drop_last"]))
         return reader[0].next()
 
+    def seek(step: int) -> None:
+        if not reader:
+            next_batch()  # opens the reader (and checks the data) like any first read
+        reader[0].seek_batch(step)
+
     def make_opt(params: Iterable[nn.Parameter]) -> Any:
         return plain.make_optimizer(cfg, list(params)) or _NoParams()
 
     rp = ResPipe(cfg=cfg, plan=run.plan, pipe=s.pipe, make_optimizer=make_opt,
-                 loss_fn=s.loss_fn, batch_of=BatchCache(next_batch),
+                 loss_fn=s.loss_fn, batch_of=BatchCache(next_batch, seek=seek),
                  evaluate=_eval_fn(cfg, s.eval_batches), log=log,
                  progress=progress if run.rank == 0 else None, comm=run.comm,
                  in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir)

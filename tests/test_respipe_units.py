@@ -227,3 +227,19 @@ def test_a_round_waits_briefly_only_for_ranks_already_found_late() -> None:
     # Leaving out half the members or more waits four times longer, late or not.
     assert round_patience([1, 2, 3], late=[1, 2, 3], members=6, grace=0.5, quick=0.01) == 2.0
     assert round_patience([], late=[], members=6, grace=0.5, quick=0.01) == 0.5
+
+
+def test_batch_cache_jumps_to_a_far_step_and_matches_reading_through(digits) -> None:
+    from mpipipe.data import TrainBatches
+    from mpipipe.resilience import BatchCache
+
+    through = TrainBatches(digits, 32, seed=3)
+    ahead = TrainBatches(digits, 32, seed=3)
+    read = BatchCache(through.next)
+    jump = BatchCache(ahead.next, seek=ahead.seek_batch)
+    far = 2 * len(through) + 5  # two epochs and a bit: the shuffle of epoch 2
+    for step in (far, far - 1, far - 2, far + 1):  # the kept batches serve replays
+        (xa, ya), (xb, yb) = read(step), jump(step)
+        assert (xa == xb).all() and (ya == yb).all(), step
+    with pytest.raises(RuntimeError, match="older than"):
+        jump(far - 3)
