@@ -109,3 +109,50 @@ def test_csd_profile_checks_and_describes_itself() -> None:
     assert p.power == PowerModel(5.0, 10.0)
     with pytest.raises(ValueError, match="slowdown"):
         CsdProfile(slowdown=0.5)
+
+
+def _take_turns(path: str, log: str, who: int, barrier) -> None:
+    import os as _os
+    import time as _time
+
+    from stannis.csd import CoreTurns
+
+    turns = CoreTurns(path)
+    barrier.wait()  # everyone has the file open
+    if who == 0:
+        turns.release_name()
+    barrier.wait()
+    for _ in range(5):
+        with turns:
+            fd = _os.open(log, _os.O_WRONLY | _os.O_APPEND)
+            _os.write(fd, f"in {who}\n".encode())
+            _time.sleep(0.002)  # a neighbour inside the lock now would interleave
+            _os.write(fd, f"out {who}\n".encode())
+            _os.close(fd)
+
+
+def test_csds_sharing_a_core_take_turns_and_leave_no_file(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    from stannis.csd import CoreTurns
+
+    path = CoreTurns.name(f"test-{tmp_path.name}", [1])
+    log = tmp_path / "turns.log"
+    log.write_text("")
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(3)
+    procs = [ctx.Process(target=_take_turns, args=(path, str(log), i, barrier))
+             for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    lines = log.read_text().split()
+    events = [" ".join(lines[i:i + 2]) for i in range(0, len(lines), 2)]
+    assert len(events) == 30
+    for enter, leave in zip(events[0::2], events[1::2], strict=True):
+        assert enter.startswith("in ") and leave == "out " + enter[3:]  # never interleaved
+    assert not Path(path).exists()
+    with CoreTurns(None):  # a rank with its own core: no lock at all
+        pass
