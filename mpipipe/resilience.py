@@ -18,7 +18,9 @@ docs/respipe.md describes the mechanism and its knobs. In short:
   which stays alive and is told it was replaced).
 - Every message carries the route's generation in its tag and travels on the
   generation's own communicator, so a demoted rank that wakes up is never
-  listened to again.
+  listened to again. Under ULFM it asks, on a job-wide *lobby* communicator,
+  to come back: the lowest member runs a round that admits it as a backup of
+  the stage with the fewest, and that stage re-syncs its replica to it.
 """
 
 from __future__ import annotations
@@ -63,8 +65,12 @@ __all__ = [
 
 # Control messages (float64 arrays on the generation's control communicator).
 _ANNOUNCE, _DECISION, _DEMOTED, _END, _FIGS, _FAULT, _EVAL = range(1, 8)
+# On the lobby (the whole job's communicator): a replaced rank asks to come back; the
+# coordinator admits it (the round's decision) or tells it the job is over.
+_REJOIN, _ADMIT, _CLOSED = range(8, 11)
 _CTL_LEN = 256
-_REASONS = {0: "none", 1: "late", 2: "failed", 3: "revoked", 4: "announced"}
+_REASONS = {0: "none", 1: "late", 2: "failed", 3: "revoked", 4: "announced", 5: "rejoin"}
+REJOIN_WAIT_S = 300.0  # how long a replaced rank waits to be admitted or told the job ended
 _BACKUP_POLL_S = 0.02
 MIN_DEADLINE_S = 0.008  # floor of a deadline set in median step times
 QUICK_GRACE_S = 0.003  # floor of the wait for an answer from a rank already found late
@@ -293,6 +299,9 @@ class ResPipe:
         ctl = data.Dup()
         ctl.Set_errhandler(MPI.ERRORS_RETURN)
         self.data, self.control = data, _Control(ctl)
+        lobby = self.world.Dup()
+        lobby.Set_errhandler(MPI.ERRORS_RETURN)
+        self.lobby = _Control(lobby)  # every rank of the job, whatever the generation
         self.members = list(range(self.world.Get_size()))  # world rank of each data rank
         self.route_w = [plan.ranks_of("stage", k)[0] for k in range(pipe.k)]
         self.backups_w: dict[int, list[int]] = {
@@ -464,17 +473,21 @@ class ResPipe:
         self.eval_every = eval_every
         while True:
             try:
-                if self.stage is not None:
-                    if self.done >= total_steps:
-                        break
-                    self._stage_step()
-                else:
-                    if self._backup_wait(total_steps):
-                        break
-            except (Late, PeerFailed) as e:
-                self._recover(self._round_from(e))
-            except _RoundStarted as e:
-                self._recover(e.round)
+                try:
+                    if self.stage is not None:
+                        if self.done >= total_steps:
+                            break
+                        self._stage_step()
+                    else:
+                        if self._backup_wait(total_steps):
+                            break
+                except (Late, PeerFailed) as e:
+                    self._recover(self._round_from(e))
+                except _RoundStarted as e:
+                    self._recover(e.round)
+            except Demoted as e:
+                if not self._rejoin(e):
+                    raise
         self._finish()
         elapsed = time.time() - t_start
         return {"steps": self.done, "elapsed_s": elapsed, "generation": self.gen,
@@ -503,6 +516,90 @@ class ResPipe:
         if self._demoted():
             raise Demoted(self.gen + 1)
 
+    # -- rejoining: a replaced rank comes back as a backup ----------------------------
+    def _can_rejoin(self) -> bool:
+        """Only under ULFM (a round must be able to wake every member at once, which
+        revoking the data communicator does) and with backup ranks (not neighbour mode)."""
+        return self.ulfm and self.settings.mode != "neighbour"
+
+    def _poll_rejoin(self) -> None:
+        """At a step boundary: the coordinator turns a rejoin request into a round."""
+        if not self._can_rejoin():
+            return
+        msg = self.lobby.poll(_REJOIN, self.MPI.ANY_SOURCE)
+        while msg is not None:
+            w, since = int(msg[0]), float(msg[1])
+            if self.wrank == min(self.members) and w not in self.members:
+                # The round's "waited" slot carries when the rank was told it was replaced.
+                raise _RoundStarted(_Round("rejoin", w, time.time(), since))
+            msg = self.lobby.poll(_REJOIN, self.MPI.ANY_SOURCE)  # not ours to answer
+
+    def _answer_rejoin(self, rnd: _Round, decision: Mapping[str, Any]) -> None:
+        """Coordinator, after deciding a rejoin round: admit the rank, or send it away."""
+        if rnd.reason != "rejoin":
+            return
+        if decision["admit"] == rnd.suspect:
+            self.lobby.send(_ADMIT, rnd.suspect, decision["vector"])
+        else:  # a failure came in between: the round had other business
+            self.lobby.send(_CLOSED, rnd.suspect, [self.gen])
+
+    def close_lobby(self) -> None:
+        """Tell every rank outside the job's last generation that there is nothing to rejoin."""
+        for w in range(self.world.Get_size()):
+            if w not in self.members:
+                self.lobby.send(_CLOSED, w, [self.gen])
+
+    def _rejoin(self, demoted: Demoted) -> bool:
+        """A replaced rank asks to come back as a backup. True once it is one again.
+
+        False (the rank then leaves, as without ULFM) when rejoining is not possible,
+        the job ended first, or nobody answered within REJOIN_WAIT_S.
+        """
+        if not self._can_rejoin():
+            return False
+        print(f"mpipipe train: rank {self.wrank} was late and has been replaced ({demoted}); "
+              "it asks to rejoin as a backup", file=sys.stderr, flush=True)
+        since = time.time()
+        for w in range(self.world.Get_size()):
+            if w != self.wrank:
+                self.lobby.send(_REJOIN, w, [self.wrank, since])
+        give_up = time.perf_counter() + REJOIN_WAIT_S
+        while time.perf_counter() < give_up:
+            if self.lobby.poll(_CLOSED, self.MPI.ANY_SOURCE) is not None:
+                return False
+            msg = self.lobby.poll(_ADMIT, self.MPI.ANY_SOURCE)
+            if msg is not None:
+                self._admitted(self._read_decision(msg))
+                return True
+            time.sleep(0.005)
+        return False
+
+    def _admitted(self, d: Mapping[str, Any]) -> None:
+        """Join the new generation's communicators and take the replica of the assigned stage."""
+        MPI = self.MPI
+        group = self.lobby.comm.Get_group().Incl(d["members"])
+        new = self.lobby.comm.Create_group(group, tag=100 + d["gen"] % 1000)
+        group.Free()
+        new.Set_errhandler(MPI.ERRORS_RETURN)
+        ctl = new.Dup()
+        ctl.Set_errhandler(MPI.ERRORS_RETURN)
+        if self.ulfm:
+            ft.agree(new, 1)
+        k, P = d["admit_stage"], d["P"]
+        self.data, self.control, self.members = new, _Control(ctl), list(d["members"])
+        self.gen, self._gen_step = d["gen"], P
+        self.route_w = list(d["route"])
+        self.backups_w = {j: list(bs) for j, bs in d["backups"].items()}
+        self.stage, self.shadowing = None, k
+        self.optimizer, self.snapshot, self.slots = None, None, []
+        self.done = P
+        self.pending_rows, self._early = {}, {}
+        self._rebind_pipe()
+        self._resync(P)
+        if k != self._launch_stage(self.wrank):
+            self._warm_up(k)  # a first optimizer step would otherwise come at the takeover
+        self._say(f"rejoined as a backup of stage {k} at generation {self.gen}")
+
     def _rollback_possible(self) -> bool:
         """A takeover can roll this stage back one step only if some stage has a replica."""
         return any(self._holders_of(k) for k in range(self.pipe.k))
@@ -517,6 +614,7 @@ class ResPipe:
         pipe, opt = self.pipe, self.optimizer
         assert self.stage is not None and opt is not None
         ta = time.perf_counter()
+        self._poll_rejoin()
         self._drain_fault_notes()
         slept = self.faults.at_step(s)
         # Only the ends of the pipeline read data (the first its input, the last labels).
@@ -719,6 +817,7 @@ class ResPipe:
         if self.is_logger:
             for s in sorted(self.pending_rows):
                 self._write_row(s)
+            self.close_lobby()
         self.finished = True
 
     # -- backups ---------------------------------------------------------------------
@@ -729,6 +828,7 @@ class ResPipe:
         stage_w = self.route_w[k]
         if self.control.poll(_END, self._drank(stage_w), seq=0) is not None:
             return True
+        self._poll_rejoin()
         self._check_announcements()
         if self.settings.mode == "hot":
             self._mirror_step(k, stage_w)
@@ -875,9 +975,10 @@ class ResPipe:
             if coordinator == self.wrank and (not silent or waited > patience):
                 decision = self._decide(heard, dead, silent)
                 for w in decision["members"]:
-                    if w != self.wrank:
+                    if w != self.wrank and w in self.members:
                         self.control.send(_DECISION, self._drank(w), decision["vector"],
                                           seq=self.gen)
+                self._answer_rejoin(rnd, decision)
                 for w in silent:
                     self.control.send(_DEMOTED, self._drank(w), [self.gen + 1], seq=self.gen)
                 break
@@ -942,10 +1043,24 @@ class ResPipe:
                     key=lambda v: v[9], default=heard[members[0]])
         if merge >= 0:
             route = [w for i, w in enumerate(route) if i != merge]
+        backups = {k: [b for b in self.backups_w.get(k, []) if b in heard and b not in route]
+                   for k in range(len(route))}
+        admit, admit_stage = -1, -1
+        if _REASONS[int(first[7])] == "rejoin" and not lost and merge < 0 and not shrink \
+                and not silent and int(first[8]) not in heard:
+            # The replaced rank comes back as a backup of the stage furthest below its
+            # configured number of backups (then: the fewest, the rank's own stage).
+            admit = int(first[8])
+            own = self.plan.role_of(admit).index
+            admit_stage = min(range(len(route)), key=lambda k: (
+                len(backups[k]) - self.settings.backups.get(k, 0), len(backups[k]), k != own, k))
+            backups[admit_stage].append(admit)
+            members = sorted([*members, admit])
         vec = [self.gen + 1, P, lost_stage, merge, shrink, float(first[7]), float(first[8]),
                float(first[9]), float(first[11]), len(members), *members, len(route), *route,
                len(choices), *[x for k, c in sorted(choices.items()) for x in (k, c)],
-               len(silent), *silent]
+               len(silent), *silent, admit, admit_stage,
+               *[x for k in range(len(route)) for x in (len(backups[k]), *backups[k])]]
         return self._read_decision(np.asarray(vec, dtype=np.float64))
 
     @staticmethod
@@ -960,6 +1075,9 @@ class ResPipe:
         n = int(next(it))
         d["choices"] = {int(next(it)): int(next(it)) for _ in range(n)}
         d["silent"] = [int(next(it)) for _ in range(int(next(it)))]
+        d["admit"], d["admit_stage"] = int(next(it)), int(next(it))
+        d["backups"] = {k: [int(next(it)) for _ in range(int(next(it)))]
+                        for k in range(len(d["route"]))}
         return d
 
     def _apply(self, d: Mapping[str, Any], heard: Mapping[int, np.ndarray], rnd: _Round) -> None:
@@ -968,10 +1086,13 @@ class ResPipe:
         old_data, old_ctl = self.data, self.control.comm
         gone = [w for w in self.members if w not in d["members"]]
         new = None
+        # An admitted rank is not on this generation's communicator: build from the lobby.
+        parent = made_from = self.lobby.comm if d["admit"] >= 0 else old_ctl
         if not d["shrink"]:
-            group = old_ctl.Get_group().Incl([self._drank(w) for w in d["members"]])
+            group = parent.Get_group().Incl([w if d["admit"] >= 0 else self._drank(w)
+                                             for w in d["members"]])
             try:
-                new = old_ctl.Create_group(group, tag=100 + d["gen"] % 1000)
+                new = parent.Create_group(group, tag=100 + d["gen"] % 1000)
                 new.Set_errhandler(MPI.ERRORS_RETURN)
             except MPI.Exception as e:
                 # A left-out rank was dead after all: ULFM refuses; every member gets the
@@ -980,12 +1101,13 @@ class ResPipe:
                     raise
             group.Free()
         if new is None:
-            new = ft.shrink(old_ctl)
+            new, made_from = ft.shrink(old_ctl), old_ctl
         ctl = new.Dup()
         ctl.Set_errhandler(MPI.ERRORS_RETURN)
-        old_group = old_ctl.Get_group()
+        old_group = made_from.Get_group()
         translated = new.Get_group().Translate_ranks(list(range(new.Get_size())), old_group)
-        members_new = [self.members[i] for i in translated]
+        members_new = translated if made_from is self.lobby.comm else \
+            [self.members[i] for i in translated]
         old_group.Free()
         if sorted(members_new) != sorted(d["members"]):
             raise RuntimeError(f"round disagreement: communicator has {members_new}, decision "
@@ -1026,9 +1148,8 @@ class ResPipe:
                 self._promote(k, d["choices"][k], P)
         lost_stages = [k for k, w in stage_before.items() if w not in d["members"]]
         self.route_w = list(d["route"])
-        for k in list(self.backups_w):
-            self.backups_w[k] = [b for b in self.backups_w[k]
-                                 if b in d["members"] and b not in self.route_w]
+        self.backups_w = {k: list(bs) for k, bs in d["backups"].items()} \
+            if d["merge"] < 0 else {k: [] for k in range(len(self.route_w))}
         if self.stage is None and self.shadowing is not None:
             self.slots = []
             self.done = P
@@ -1059,6 +1180,12 @@ class ResPipe:
                         f"takeover: stage {k} ({d['reason']} rank {stage_before[k]}) now served "
                         f"by rank {w_new}, generation {self.gen}, replaying step {P + 1}")
         self.takeovers += len(lost_stages)
+        if d["admit"] >= 0 and self.is_logger:
+            self._log_event("rejoined", P, d["admit"], stage=d["admit_stage"],
+                            generation=self.gen, after_s=t_comm - d["waited_s"])
+            if self.progress is not None:
+                self.progress.message(f"rank {d['admit']} rejoined as a backup of stage "
+                                      f"{d['admit_stage']}, generation {self.gen}")
         self._resync(P)
         if _DEBUG:
             self._say(f"applied at {time.time() % 100:.3f}")
@@ -1292,6 +1419,7 @@ def train(run: Any) -> int:
             log.close(f"failed: {e}")
         if rp.members and rp.wrank == rp.members[0]:
             print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
+            rp.close_lobby()  # a replaced rank waiting to rejoin leaves too
         try:
             rp.data.Barrier()  # the log is closed before any survivor exits
         except Exception:  # noqa: BLE001 - a further failure: exit anyway
@@ -1326,7 +1454,7 @@ def train(run: Any) -> int:
         log.set_attr("summary", summary)
         progress.summary(**summary)  # printed under --quiet too
         log.close("completed")
-    if result["takeovers"]:
+    if result["takeovers"] or result["generation"]:
         # A replaced rank leaves without MPI_Finalize (see Demoted above), and a killed
         # one never reaches it; the world-wide agreement inside Finalize was seen to wait
         # for such a rank now and then. Everything is written and closed: leave as well.

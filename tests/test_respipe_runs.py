@@ -130,6 +130,32 @@ def test_stall_is_detected_by_deadline_and_the_woken_rank_is_harmless(runs):
             assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
 
 
+@pytest.mark.timeout(600)
+def test_a_replaced_rank_rejoins_as_a_backup_and_takes_over_again(runs):
+    # Stage 0 straggles 0.25 s every step so that the run outlasts rank 1's stall: rank 1
+    # is replaced by its backup (rank 3), wakes, rejoins as stage 1's backup, and takes
+    # stage 1 back when rank 3 stalls in turn. The arithmetic is that of a clean run.
+    clean, _, clean_ckpt = runs("cold-r1", 4, ONE_BACKUP, "resilience.replicate_every=1")
+    result, log, ckpt = runs("rejoin", 4, ONE_BACKUP, "resilience.replicate_every=1",
+                             "resilience.deadline_s=1.5", "inject:delay:stage=0:p=1:seconds=0.25",
+                             "inject:stall:stage=1:step=4:seconds=2",
+                             "inject:stall:rank=3:step=14:seconds=6", timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = _open(log)
+    assert run.attrs["status"] == "completed"
+    takeovers = [(e["detail"]["replaced"], e["rank"]) for e in run.events_of("takeover")]
+    assert takeovers == [(1, 3), (3, 1)], takeovers
+    rejoined = run.events_of("rejoined")
+    assert [(e["rank"], e["detail"]["stage"]) for e in rejoined] == [(1, 1)]
+    assert rejoined[0]["step"] < 14 and rejoined[0]["detail"]["after_s"] > 0
+    assert "asks to rejoin as a backup" in result.stderr
+    assert run.steps["samples"].sum() == STEPS * BATCH
+    assert list(run.steps["step"]) == list(range(1, STEPS + 1))
+    for got, want in zip(_params(ckpt), _params(clean_ckpt), strict=True):
+        for key in want:
+            assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
+
+
 @pytest.mark.timeout(300)
 def test_kill_without_backup_stops_with_an_error_naming_the_stage(runs):
     result, log, _ = runs("lost", 3, NO_BACKUP, "inject:kill:stage=1:step=5", timeout=120)
