@@ -188,6 +188,14 @@ class _Control:
             pass
         self._reap()
 
+    def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the started sends to complete."""
+        end = time.perf_counter() + timeout_s
+        self._reap()
+        while self._sends and time.perf_counter() < end:
+            time.sleep(0.001)
+            self._reap()
+
     def _reap(self) -> None:
         still = []
         for req, buf in self._sends:
@@ -330,6 +338,7 @@ class ResPipe:
         self.takeovers = 0
         self._last_row_time: float | None = None
         self._early: dict[int, np.ndarray] = {}
+        self._rejoin_requests: dict[int, float] = {}  # replaced rank -> when it was told
         self._gen_step = 0  # the step the current generation started at
         self._rebind_pipe()
         # Every rank built the model from the same seed: before the first replica
@@ -517,22 +526,28 @@ class ResPipe:
             raise Demoted(self.gen + 1)
 
     # -- rejoining: a replaced rank comes back as a backup ----------------------------
-    def _can_rejoin(self) -> bool:
-        """Only under ULFM (a round must be able to wake every member at once, which
-        revoking the data communicator does) and with backup ranks (not neighbour mode)."""
+    def _rejoin_enabled(self) -> bool:
+        """Replaced ranks may rejoin only under ULFM (a round must be able to wake every
+        member at once, which revoking the data communicator does) and with backup
+        ranks (not in neighbour mode)."""
         return self.ulfm and self.settings.mode != "neighbour"
 
     def _poll_rejoin(self) -> None:
         """At a step boundary: the coordinator turns a rejoin request into a round."""
-        if not self._can_rejoin():
+        if not self._rejoin_enabled():
             return
         msg = self.lobby.poll(_REJOIN, self.MPI.ANY_SOURCE)
         while msg is not None:
-            w, since = int(msg[0]), float(msg[1])
-            if self.wrank == min(self.members) and w not in self.members:
-                # The round's "waited" slot carries when the rank was told it was replaced.
-                raise _RoundStarted(_Round("rejoin", w, time.time(), since))
-            msg = self.lobby.poll(_REJOIN, self.MPI.ANY_SOURCE)  # not ours to answer
+            # Every member keeps the requests: if the coordinator dies, the next one has them.
+            self._rejoin_requests[int(msg[0])] = float(msg[1])
+            msg = self.lobby.poll(_REJOIN, self.MPI.ANY_SOURCE)
+        for w in [w for w in self._rejoin_requests if w in self.members]:
+            del self._rejoin_requests[w]  # already back
+        if self._rejoin_requests and self.wrank == min(self.members):
+            w = min(self._rejoin_requests)
+            since = self._rejoin_requests.pop(w)
+            # The round's "waited" slot carries when the rank was told it was replaced.
+            raise _RoundStarted(_Round("rejoin", w, time.time(), since))
 
     def _answer_rejoin(self, rnd: _Round, decision: Mapping[str, Any]) -> None:
         """Coordinator, after deciding a rejoin round: admit the rank, or send it away."""
@@ -544,18 +559,26 @@ class ResPipe:
             self.lobby.send(_CLOSED, rnd.suspect, [self.gen])
 
     def close_lobby(self) -> None:
-        """Tell every rank outside the job's last generation that there is nothing to rejoin."""
+        """Tell every rank outside the job's last generation that there is nothing to rejoin.
+
+        Called by the lowest member at the end (or on a lost stage); waits up to a
+        second for the notices to leave, as the process exits right after.
+        """
+        if not self._rejoin_enabled():
+            return
         for w in range(self.world.Get_size()):
             if w not in self.members:
                 self.lobby.send(_CLOSED, w, [self.gen])
+        self.lobby.drain(1.0)
 
     def _rejoin(self, demoted: Demoted) -> bool:
         """A replaced rank asks to come back as a backup. True once it is one again.
 
         False (the rank then leaves, as without ULFM) when rejoining is not possible,
-        the job ended first, or nobody answered within REJOIN_WAIT_S.
+        the job ended first, or nobody answered within REJOIN_WAIT_S. Rank 0 does not
+        rejoin: it writes the log, which would lose the rows of the steps it missed.
         """
-        if not self._can_rejoin():
+        if not self._rejoin_enabled() or self.is_logger:
             return False
         print(f"mpipipe train: rank {self.wrank} was late and has been replaced ({demoted}); "
               "it asks to rejoin as a backup", file=sys.stderr, flush=True)
@@ -569,22 +592,26 @@ class ResPipe:
                 return False
             msg = self.lobby.poll(_ADMIT, self.MPI.ANY_SOURCE)
             if msg is not None:
-                self._admitted(self._read_decision(msg))
-                return True
+                return self._admitted(self._read_decision(msg))
             time.sleep(0.005)
         return False
 
-    def _admitted(self, d: Mapping[str, Any]) -> None:
-        """Join the new generation's communicators and take the replica of the assigned stage."""
+    def _admitted(self, d: Mapping[str, Any]) -> bool:
+        """Join the new generation's communicators and take the replica of the assigned stage.
+
+        False when the communicator could not be built (then the rank leaves)."""
         MPI = self.MPI
         group = self.lobby.comm.Get_group().Incl(d["members"])
-        new = self.lobby.comm.Create_group(group, tag=100 + d["gen"] % 1000)
-        group.Free()
-        new.Set_errhandler(MPI.ERRORS_RETURN)
-        ctl = new.Dup()
-        ctl.Set_errhandler(MPI.ERRORS_RETURN)
-        if self.ulfm:
+        try:
+            new = self.lobby.comm.Create_group(group, tag=100 + d["gen"] % 1000)
+            new.Set_errhandler(MPI.ERRORS_RETURN)
+            ctl = new.Dup()
+            ctl.Set_errhandler(MPI.ERRORS_RETURN)
             ft.agree(new, 1)
+        except MPI.Exception:
+            return False  # a member died meanwhile: the survivors shrink without this rank
+        finally:
+            group.Free()
         k, P = d["admit_stage"], d["P"]
         self.data, self.control, self.members = new, _Control(ctl), list(d["members"])
         self.gen, self._gen_step = d["gen"], P
@@ -599,6 +626,7 @@ class ResPipe:
         if k != self._launch_stage(self.wrank):
             self._warm_up(k)  # a first optimizer step would otherwise come at the takeover
         self._say(f"rejoined as a backup of stage {k} at generation {self.gen}")
+        return True
 
     def _rollback_possible(self) -> bool:
         """A takeover can roll this stage back one step only if some stage has a replica."""
@@ -617,8 +645,9 @@ class ResPipe:
         self._poll_rejoin()
         self._drain_fault_notes()
         slept = self.faults.at_step(s)
-        # Only the ends of the pipeline read data (the first its input, the last labels).
-        x, y = self.batch_of(s) if pipe.first or pipe.last else (None, None)
+        # Only the first stage reads data, and the last one when labels do not travel.
+        x, y = self.batch_of(s) if pipe.first or (pipe.last and pipe.labels == "local") \
+            else (None, None)
         if _DEBUG and self.gen and s <= self._gen_step + 1:
             self._say(f"step {s} start at {time.time() % 100:.3f}, data {time.perf_counter() - ta:.3f}")
         if self._rollback_possible():
@@ -817,6 +846,7 @@ class ResPipe:
         if self.is_logger:
             for s in sorted(self.pending_rows):
                 self._write_row(s)
+        if self.wrank == min(self.members):
             self.close_lobby()
         self.finished = True
 
@@ -1109,6 +1139,12 @@ class ResPipe:
         members_new = translated if made_from is self.lobby.comm else \
             [self.members[i] for i in translated]
         old_group.Free()
+        if d["admit"] >= 0 and made_from is old_ctl:
+            # Building from the lobby failed (a member died): shrink has left the admitted
+            # rank out, which then leaves; this round goes on without it.
+            d = dict(d, members=[w for w in d["members"] if w != d["admit"]], admit=-1,
+                     backups={k: [b for b in bs if b != d["admit"]]
+                              for k, bs in d["backups"].items()})
         if sorted(members_new) != sorted(d["members"]):
             raise RuntimeError(f"round disagreement: communicator has {members_new}, decision "
                                f"says {d['members']}")

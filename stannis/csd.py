@@ -96,12 +96,15 @@ class Stretch:
         stretching. The base is the least CPU time per sample of the last
         `MEMORY` steps whose batch was within `NEAR` of this ``batch`` (this one
         included), times ``batch``: when the tuner moves a few samples, the base
-        carries over instead of starting again from one noisy step. The returned
+        carries over instead of starting again from one noisy step. (Scaling also
+        scales the per-step overhead: after a batch shrinks by up to `NEAR`, the
+        base is low by at most that share of the overhead, a few percent here.) The returned
         time is what the tuner balances: on a shared machine a rank that waits for
         a core is slower, and the step waits for it all the same.
         """
         cpu_s = max(cpu_s, 0.0)
-        self._recent.append((batch, cpu_s))
+        if batch > 0:  # an empty step says nothing about the cost of samples
+            self._recent.append((batch, cpu_s))
         similar = [c * batch / b for b, c in self._recent
                    if b > 0 and abs(b - batch) <= self.NEAR * batch]
         target = self.factor * min(similar, default=cpu_s)
