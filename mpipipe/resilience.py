@@ -222,6 +222,40 @@ class _Control:
             return None
 
 
+def encode_decision(d: Mapping[str, Any]) -> np.ndarray:
+    """A round's decision as the float64 vector the coordinator sends (see read_decision).
+
+    Why one flat vector: it travels as a single control message to every member
+    and, on the lobby, to a rank being admitted.
+    """
+    code = {v: k for k, v in _REASONS.items()}[d["reason"]]
+    route = list(d["route"])
+    vec = [d["gen"], d["P"], d["lost_stage"], d["merge"], d["shrink"], code, d["suspect"],
+           d["t_detect"], d["waited_s"], len(d["members"]), *d["members"], len(route), *route,
+           len(d["choices"]), *[x for k, c in sorted(d["choices"].items()) for x in (k, c)],
+           len(d["silent"]), *d["silent"], d["admit"], d["admit_stage"],
+           *[x for k in range(len(route)) for x in (len(d["backups"][k]), *d["backups"][k])]]
+    return np.asarray(vec, dtype=np.float64)
+
+
+def read_decision(v: np.ndarray) -> dict[str, Any]:
+    """The decision a vector from encode_decision carries (plus the vector itself)."""
+    it = iter(v.tolist())
+    d: dict[str, Any] = {"vector": v}
+    d["gen"], d["P"], d["lost_stage"], d["merge"], d["shrink"] = (int(next(it)) for _ in range(5))
+    d["reason"] = _REASONS.get(int(next(it)), "late")
+    d["suspect"], d["t_detect"], d["waited_s"] = int(next(it)), next(it), next(it)
+    d["members"] = [int(next(it)) for _ in range(int(next(it)))]
+    d["route"] = [int(next(it)) for _ in range(int(next(it)))]
+    n = int(next(it))
+    d["choices"] = {int(next(it)): int(next(it)) for _ in range(n)}
+    d["silent"] = [int(next(it)) for _ in range(int(next(it)))]
+    d["admit"], d["admit_stage"] = int(next(it)), int(next(it))
+    d["backups"] = {k: [int(next(it)) for _ in range(int(next(it)))]
+                    for k in range(len(d["route"]))}
+    return d
+
+
 # -- the resilient trainer -------------------------------------------------------------------
 
 @dataclass
@@ -592,7 +626,7 @@ class ResPipe:
                 return False
             msg = self.lobby.poll(_ADMIT, self.MPI.ANY_SOURCE)
             if msg is not None:
-                return self._admitted(self._read_decision(msg))
+                return self._admitted(read_decision(msg))
             time.sleep(0.005)
         return False
 
@@ -1017,7 +1051,7 @@ class ResPipe:
                     continue
                 msg = self.control.poll(_DECISION, self._drank(w), seq=self.gen)
                 if msg is not None:
-                    decision = self._read_decision(msg)
+                    decision = read_decision(msg)
                     break
             if decision is None and waited > 8 * grace + 2.0:
                 # The coordinator we expected went silent too: leave it out and go on.
@@ -1086,29 +1120,12 @@ class ResPipe:
                 len(backups[k]) - self.settings.backups.get(k, 0), len(backups[k]), k != own, k))
             backups[admit_stage].append(admit)
             members = sorted([*members, admit])
-        vec = [self.gen + 1, P, lost_stage, merge, shrink, float(first[7]), float(first[8]),
-               float(first[9]), float(first[11]), len(members), *members, len(route), *route,
-               len(choices), *[x for k, c in sorted(choices.items()) for x in (k, c)],
-               len(silent), *silent, admit, admit_stage,
-               *[x for k in range(len(route)) for x in (len(backups[k]), *backups[k])]]
-        return self._read_decision(np.asarray(vec, dtype=np.float64))
-
-    @staticmethod
-    def _read_decision(v: np.ndarray) -> dict[str, Any]:
-        it = iter(v.tolist())
-        d: dict[str, Any] = {"vector": v}
-        d["gen"], d["P"], d["lost_stage"], d["merge"], d["shrink"] = (int(next(it)) for _ in range(5))
-        d["reason"] = _REASONS.get(int(next(it)), "late")
-        d["suspect"], d["t_detect"], d["waited_s"] = int(next(it)), next(it), next(it)
-        d["members"] = [int(next(it)) for _ in range(int(next(it)))]
-        d["route"] = [int(next(it)) for _ in range(int(next(it)))]
-        n = int(next(it))
-        d["choices"] = {int(next(it)): int(next(it)) for _ in range(n)}
-        d["silent"] = [int(next(it)) for _ in range(int(next(it)))]
-        d["admit"], d["admit_stage"] = int(next(it)), int(next(it))
-        d["backups"] = {k: [int(next(it)) for _ in range(int(next(it)))]
-                        for k in range(len(d["route"]))}
-        return d
+        return read_decision(encode_decision({
+            "gen": self.gen + 1, "P": P, "lost_stage": lost_stage, "merge": merge,
+            "shrink": shrink, "reason": _REASONS.get(int(first[7]), "late"),
+            "suspect": int(first[8]), "t_detect": float(first[9]), "waited_s": float(first[11]),
+            "members": members, "route": route, "choices": choices, "silent": list(silent),
+            "admit": admit, "admit_stage": admit_stage, "backups": backups}))
 
     def _apply(self, d: Mapping[str, Any], heard: Mapping[int, np.ndarray], rnd: _Round) -> None:
         """Build the new communicators, then adopt the route, roles and state of step P."""

@@ -243,3 +243,17 @@ def test_batch_cache_jumps_to_a_far_step_and_matches_reading_through(digits) -> 
         assert (xa == xb).all() and (ya == yb).all(), step
     with pytest.raises(RuntimeError, match="older than"):
         jump(far - 3)
+
+
+def test_a_decision_survives_its_trip_as_one_vector() -> None:
+    from mpipipe.resilience import encode_decision, read_decision
+
+    d = {"gen": 3, "P": 41, "lost_stage": -1, "merge": -1, "shrink": 0, "reason": "rejoin",
+         "suspect": 1, "t_detect": 1.7e9 + 0.25, "waited_s": 1.7e9, "members": [0, 1, 2, 4, 5],
+         "route": [0, 4, 2], "choices": {1: 40}, "silent": [], "admit": 1, "admit_stage": 1,
+         "backups": {0: [5], 1: [1], 2: []}}
+    back = read_decision(encode_decision(d))
+    assert back.pop("vector") is not None
+    assert back == d
+    late = dict(d, reason="late", admit=-1, admit_stage=-1, silent=[3], choices={})
+    assert read_decision(encode_decision(late))["silent"] == [3]
