@@ -1109,8 +1109,9 @@ class ResPipe:
             route = [w for i, w in enumerate(route) if i != merge]
         backups = {k: [b for b in self.backups_w.get(k, []) if b in heard and b not in route]
                    for k in range(len(route))}
+        reason = _REASONS.get(int(first[7]), "late")
         admit, admit_stage = -1, -1
-        if _REASONS[int(first[7])] == "rejoin" and not lost and merge < 0 and not shrink \
+        if reason == "rejoin" and not lost and merge < 0 and not shrink \
                 and not silent and int(first[8]) not in heard:
             # The replaced rank comes back as a backup of the stage furthest below its
             # configured number of backups (then: the fewest, the rank's own stage).
@@ -1122,7 +1123,7 @@ class ResPipe:
             members = sorted([*members, admit])
         return read_decision(encode_decision({
             "gen": self.gen + 1, "P": P, "lost_stage": lost_stage, "merge": merge,
-            "shrink": shrink, "reason": _REASONS.get(int(first[7]), "late"),
+            "shrink": shrink, "reason": reason,
             "suspect": int(first[8]), "t_detect": float(first[9]), "waited_s": float(first[11]),
             "members": members, "route": route, "choices": choices, "silent": list(silent),
             "admit": admit, "admit_stage": admit_stage, "backups": backups}))
@@ -1201,8 +1202,7 @@ class ResPipe:
                 self._promote(k, d["choices"][k], P)
         lost_stages = [k for k, w in stage_before.items() if w not in d["members"]]
         self.route_w = list(d["route"])
-        self.backups_w = {k: list(bs) for k, bs in d["backups"].items()} \
-            if d["merge"] < 0 else {k: [] for k in range(len(self.route_w))}
+        self.backups_w = {k: list(bs) for k, bs in d["backups"].items()}
         if self.stage is None and self.shadowing is not None:
             self.slots = []
             self.done = P
@@ -1443,18 +1443,20 @@ def train(run: Any) -> int:
         print(f"{run.prog}: {ft.startup_note()}", flush=True)  # even under --quiet
     reader: list[Any] = []
 
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    def open_reader() -> Any:
+        # Opened on first use: only the ranks that read data ever open it.
         if not reader:
             reader.append(data.TrainBatches(cfg["data"]["path"], cfg["data"]["batch_size"],
                                             seed=cfg["run"]["seed"],
                                             shuffle=cfg["data"]["shuffle"],
                                             drop_last=cfg["data"]["drop_last"]))
-        return reader[0].next()
+        return reader[0]
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return open_reader().next()
 
     def seek(step: int) -> None:
-        if not reader:
-            next_batch()  # opens the reader (and checks the data) like any first read
-        reader[0].seek_batch(step)
+        open_reader().seek_batch(step)
 
     def make_opt(params: Iterable[nn.Parameter]) -> Any:
         return plain.make_optimizer(cfg, list(params)) or _NoParams()

@@ -7,9 +7,10 @@ for the rest, so it yields its core instead of stealing it from the host). CPU
 time, not wall time, is the base because on a machine with fewer cores than
 ranks the wall time also counts the time a rank waited for a core, which a
 real device with its own cores would not. The CPU time is the fastest per
-sample of the rank's recent steps at a similar batch size, not each step's own: emulated CSDs
-sharing one core evict each other's caches, and the factor would multiply that
-artefact of the emulation (a real drive computes on its own cores) eightfold.
+sample of the rank's recent steps at a similar batch size, not each step's
+own: emulated CSDs sharing one core evict each other's caches, and the factor
+would multiply that artefact of the emulation (a real drive computes on its
+own cores) eightfold.
 The rank runs with a given number of torch threads, is bound to its own cores
 when all ranks share one machine (`cpu_binding`), and is charged energy by a
 power model (idle and active watts). Emulated CSDs bound to the same core take
@@ -17,9 +18,9 @@ turns to compute (`CoreTurns`): when they all start a step at once, the kernel
 would slice the core between them every few milliseconds and each one's CPU
 time would grow by a third from evicted caches, an artefact a drive with its
 own cores does not have; taking turns costs nothing, as each sleeps most of its
-stretched step anyway. On real CSDs the factor is 1 and nothing
-is stretched. A ``slow`` fault multiplies the factor from a given step on, to
-emulate other work on the drive.
+stretched step anyway. On real CSDs the factor is 1 and nothing is stretched.
+A ``slow`` fault multiplies the factor from a given step on, to emulate other
+work on the drive.
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ class Stretch:
         included), times ``batch``: when the tuner moves a few samples, the base
         carries over instead of starting again from one noisy step. (Scaling also
         scales the per-step overhead: after a batch shrinks by up to `NEAR`, the
-        base is low by at most that share of the overhead, a few percent here.) The returned
-        time is what the tuner balances: on a shared machine a rank that waits for
-        a core is slower, and the step waits for it all the same.
+        base is low by at most that share of the overhead, a few percent here.)
+        The returned time is what the tuner balances: on a shared machine a rank
+        that waits for a core is slower, and the step waits for it all the same.
         """
         cpu_s = max(cpu_s, 0.0)
         if batch > 0:  # an empty step says nothing about the cost of samples

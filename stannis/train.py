@@ -192,8 +192,8 @@ class Trainer:
         """Open the compute lock of this rank's core when other CSDs are bound to it too.
 
         Collective (every rank knows the bindings): all members open their lock
-        file (named by ``job``, unique among running jobs), and after a barrier the first member of
-        each shared core unlinks it (see CoreTurns).
+        file (named by ``job``, unique among running jobs), and after a barrier the
+        first member of each shared core unlinks it (see CoreTurns).
         """
         groups: dict[tuple[int, ...], list[int]] = {}
         for r, cpus in self.bindings.items():
@@ -364,9 +364,9 @@ class Trainer:
         fitted = refit(models, self.batches, observed)
         for r, p in zip(self.members, fitted, strict=True):
             self.profiles[r] = p
-        fitted = self._capped()
-        current = evaluate(fitted, self.batches)
-        candidate = tune(fitted, s["global_batch"], s["objective"], s["mix_weight"])
+        capped = self._capped()
+        current = evaluate(capped, self.batches)
+        candidate = tune(capped, s["global_batch"], s["objective"], s["mix_weight"])
         better = gain(current, candidate, s["objective"], s["mix_weight"])
         for r in self.members:
             self.window[r].clear()  # judge the next decision on fresh steps only
@@ -384,7 +384,7 @@ class Trainer:
             reason += ", damped"
         self.last_change = [t - b for t, b in zip(target, self.batches, strict=True)]
         self.last_change_step = self.step
-        self._plan_batches(reason, evaluate(fitted, target))
+        self._plan_batches(reason, evaluate(capped, target))
 
     # -- failures -----------------------------------------------------------------------
     def _recover_until_stable(self, error: BaseException, attempts: int = 4) -> None:
