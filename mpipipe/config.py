@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .lr import SCHEDULES
+
 __all__ = ["ConfigError", "PIPELINE_DEFAULTS", "PIPELINE_CHOICES", "dump_toml", "load_config", "parse_override"]
 
 
@@ -46,7 +48,8 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "optim": {
         "name": "sgd",  # sgd | adam
-        "lr": 0.05,  # learning rate
+        "lr": 0.05,  # learning rate (at the first step)
+        "schedule": "constant",  # constant | cosine (decay to 0 over run.steps)
         "momentum": 0.9,  # SGD momentum
         "weight_decay": 0.0,  # L2 penalty
     },
@@ -71,6 +74,7 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
 PIPELINE_CHOICES: dict[str, tuple[str, ...]] = {
     "model.name": ("lenet", "vgg", "resnet"),
     "optim.name": ("sgd", "adam"),
+    "optim.schedule": SCHEDULES,
     "pipeline.balance_by": ("time", "params"),
     "pipeline.schedule": ("gpipe", "1f1b"),
     "resilience.mode": ("cold", "hot", "neighbour"),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cli import Run, add_train_arguments, gather_figures, start_run
 from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
+from .lr import rate_at, set_lr
 from .roles import pipeline_plan
 
 # torch, the engine and the data reader are imported where used, so that a wrong
@@ -34,7 +35,7 @@ configuration sections (see docs/configuration.md and jobs/configs/):
   [data]      path (a directory with train/ and test/ made by python -m native.convert),
               batch_size
   [model]     name (lenet | vgg | resnet), num_classes
-  [optim]     name (sgd | adam), lr, momentum, weight_decay
+  [optim]     name (sgd | adam), lr, schedule (constant | cosine), momentum, weight_decay
   [pipeline]  stages (K, one rank each), balance (layers per stage, [] = automatic),
               balance_by (time | params), chunks (micro-batches), schedule (gpipe | 1f1b)
   [plan]      explicit launch plan, e.g. "stage 0" = 0
@@ -234,6 +235,7 @@ def train_step(s: Setup, step: int) -> dict[str, float]:
     loss = pipe.step(x, y, s.loss_fn, step=step)
     t0 = time.perf_counter()
     if s.optimizer is not None:
+        set_lr(s.optimizer, rate_at(s.run.cfg["optim"], step, s.total_steps))
         s.optimizer.step()
     opt_s = time.perf_counter() - t0
     figures = {

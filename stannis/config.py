@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from mpipipe.inject import FaultError, parse_all
+from mpipipe.lr import SCHEDULES
 from mpipipe.roles import LaunchPlan, PlanError, Role
 
 from .csd import CsdProfile
@@ -77,7 +78,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
 STANNIS_CHOICES: dict[str, tuple[str, ...]] = {
     "model.name": ("lenet", "vgg", "resnet"),
     "optim.name": ("sgd", "adam"),
-    "optim.schedule": ("constant", "cosine"),
+    "optim.schedule": SCHEDULES,
     "stannis.objective": OBJECTIVES,
     "host.energy": SOURCES,
 }

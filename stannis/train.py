@@ -18,6 +18,7 @@ from mpipipe import ft
 from mpipipe.cli import Run, start_run
 from mpipipe.data import test_batches
 from mpipipe.inject import FaultPlan, parse_all
+from mpipipe.lr import decay, set_lr
 from mpipipe.models import build_model
 
 from .allreduce import WeightedAllreduce
@@ -513,10 +514,7 @@ class Trainer:
         total = self.reducer.reduce(b, alongside=[self.comm.Igather(row, table, root=0)])
         self._cycle = time.perf_counter()
         lr = scaled_lr(o["lr"], o["base_batch"], int(total), index, o["warmup_steps"])
-        if o["schedule"] == "cosine":
-            lr *= 0.5 * (1.0 + math.cos(math.pi * index / steps))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr * decay(index, steps, o["schedule"]))
         self.optimizer.step()
         joules = self.meter.stop(compute_s)
         sent, recv = self.comm.take()  # this step's gradients and figures, and any plan

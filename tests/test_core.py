@@ -40,6 +40,7 @@ def test_defaults_file_and_overrides_merge(tmp_path):
     ("", ["pipeline.stages"], "expected section.key=value"),
     ("", ["stages=3"], "must look like section.key"),
     ("", ["pipeline.schedule=zigzag"], "choose one of gpipe, 1f1b"),
+    ("", ["optim.schedule=step"], "choose one of constant, cosine"),
     ("", ["run.nope=1"], "unknown key 'run.nope'"),
 ])
 def test_bad_config_names_the_key(tmp_path, text, overrides, message):
@@ -190,3 +191,24 @@ def test_dump_toml_round_trips_the_defaults(tmp_path):
     assert load_config(p) == load_config(None)
     cfg = load_config(None, ["plan.stage 0=0", "resilience.backups.1=2"])
     assert load_config(write(tmp_path, dump_toml(cfg), "d.toml")) == cfg
+
+
+def test_cosine_rate_follows_torch_cosine_annealing():
+    import torch
+
+    from mpipipe.lr import decay, rate_at, set_lr
+
+    total, base = 12, 0.05
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=base)
+    reference = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=0.0)
+    ours = torch.optim.SGD([p], lr=base)
+    for step in range(total):
+        set_lr(ours, rate_at({"lr": base, "schedule": "cosine"}, step, total))
+        assert ours.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"], abs=1e-12)
+        opt.step()
+        reference.step()
+    assert rate_at({"lr": base}, 7, total) == base  # no schedule key: constant
+    assert decay(total, total, "cosine") == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="choose one of constant, cosine"):
+        decay(0, total, "step")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mpipipe.launch import ROOT, mpirun_env, run_mpi
@@ -42,32 +43,50 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
+# One run's test accuracy moves by about half a point with the seed (359 test images:
+# one image is 0.28 points), for tuned and equal batches alike, so a single pair of
+# runs differs by more than a point now and then by chance. The comparison is between
+# the means of three seeds; every tuned run must still reach 95% on its own.
+SEEDS = (0, 1, 2)
+
+
 @pytest.fixture(scope="module")
 def tuned_and_equal(data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Tuned and equal-batch runs for each seed: ({seed: run}, {seed: run})."""
     out = tmp_path_factory.mktemp("logs")
-    runs = {}
-    for tune in ("true", "false"):
-        log = out / f"tune-{tune}.h5"
-        _ok(_train(data, log, f"stannis.tune={tune}"))
-        runs[tune] = open_log(log)
+    runs: dict[str, dict] = {"true": {}, "false": {}}
+    for seed in SEEDS:
+        for tune in runs:
+            log = out / f"tune-{tune}-seed{seed}.h5"
+            _ok(_train(data, log, f"stannis.tune={tune}", f"run.seed={seed}"))
+            runs[tune][seed] = open_log(log)
     return runs["true"], runs["false"]
 
 
-@pytest.mark.timeout(600)
+def _final_accuracy(run) -> float:
+    return float(run.eval["accuracy"][-1])
+
+
+@pytest.mark.timeout(900)
 def test_tuned_batches_reach_95_percent_like_equal_batches(tuned_and_equal) -> None:
-    tuned, equal = tuned_and_equal
-    acc_tuned = float(tuned.eval["accuracy"][-1])
-    acc_equal = float(equal.eval["accuracy"][-1])
-    assert acc_tuned >= 0.95, acc_tuned
-    assert abs(acc_tuned - acc_equal) <= 0.01, (acc_tuned, acc_equal)
-    # Same number of steps and samples: the same number of epochs.
-    assert tuned.steps["samples"].sum() == equal.steps["samples"].sum()
-    # Tuned batches differ between ranks (the split follows measured speed); equal ones
-    # do not. Which rank gets more depends on the load of the machine, so not asserted.
-    assert len({int(tuned.ranks[r]["batch_size"][0]) for r in range(5)}) > 1
-    assert tuned.events_of("benchmark") and tuned.events_of("retune")
-    assert set(equal.ranks[0]["batch_size"]) == {26}
-    for run in (tuned, equal):
+    tuned_runs, equal_runs = tuned_and_equal
+    acc_tuned = {seed: _final_accuracy(run) for seed, run in tuned_runs.items()}
+    acc_equal = {seed: _final_accuracy(run) for seed, run in equal_runs.items()}
+    assert min(acc_tuned.values()) >= 0.95, acc_tuned
+    mean_tuned = float(np.mean(list(acc_tuned.values())))
+    mean_equal = float(np.mean(list(acc_equal.values())))
+    assert abs(mean_tuned - mean_equal) <= 0.01, (acc_tuned, acc_equal)
+    for seed in SEEDS:
+        tuned, equal = tuned_runs[seed], equal_runs[seed]
+        # Same number of steps and samples: the same number of epochs.
+        assert tuned.steps["samples"].sum() == equal.steps["samples"].sum()
+        # Tuned batches differ between ranks (the split follows measured speed); equal
+        # ones do not. Which rank gets more depends on the load of the machine, so not
+        # asserted.
+        assert len({int(tuned.ranks[r]["batch_size"][0]) for r in range(5)}) > 1
+        assert tuned.events_of("benchmark") and tuned.events_of("retune")
+        assert set(equal.ranks[0]["batch_size"]) == {26}
+    for run in (*tuned_runs.values(), *equal_runs.values()):
         assert run.attrs["status"] == "completed"
         emulation = json.loads(run.attrs["emulation"])
         assert sorted(emulation) == ["1", "2", "3", "4"]
@@ -80,7 +99,7 @@ def test_tuned_batches_reach_95_percent_like_equal_batches(tuned_and_equal) -> N
 
 @pytest.mark.timeout(600)
 def test_csds_send_only_gradients_and_control(tuned_and_equal) -> None:
-    tuned, _ = tuned_and_equal
+    tuned = tuned_and_equal[0][SEEDS[0]]
     summary = json.loads(tuned.attrs["summary"])
     model = build_model("resnet", 10, (1, 8, 8))
     grad_bytes = 4 * (sum(p.numel() for p in model.parameters()) + 1)  # + the weight slot
