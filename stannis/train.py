@@ -54,6 +54,9 @@ STEP_FIGURES = ("compute_s", "batch_size", "loss_sum", "busy_s")
 LATE_FIGURES = ("wait_s", "joules", "bytes_sent", "bytes_recv")
 FIGURES = STEP_FIGURES + LATE_FIGURES
 FIG_BYTES = 8 * len(FIGURES)
+# Start-up phases (benchmark, first plan) a job tries before it gives up: each failed
+# one dropped a dead CSD or hit an MPI error that a shrink did not explain.
+START_ATTEMPTS = 4
 
 
 def _count(x: float) -> int:
@@ -281,6 +284,9 @@ class Trainer:
         """Time a few batch sizes on every rank; the host fits step models and tunes."""
         s = self.cfg["stannis"]
         sizes = [min(b, self.max_batch) for b in s["benchmark_batches"]]
+        self.run.progress.message(
+            f"benchmark: batch sizes {', '.join(map(str, sizes))}, {s['benchmark_repeats']} "
+            f"timed steps each, on {len(self.members)} ranks")
         self._compute(max(sizes))  # warm-up: first calls allocate and are not typical
         row = np.zeros(len(sizes) * 2)
         for i, b in enumerate(sizes):
@@ -388,19 +394,24 @@ class Trainer:
         self._plan_batches(reason, evaluate(capped, target))
 
     # -- failures -----------------------------------------------------------------------
-    def _recover_until_stable(self, error: BaseException, attempts: int = 4) -> None:
+    def _recover_until_stable(self, error: BaseException, attempts: int = 4, *,
+                              replan: bool = True) -> None:
         """Recover, and recover again if another rank fails during the recovery."""
         for attempt in range(attempts):
             try:
-                self._recover(error)
+                self._recover(error, replan=replan)
                 return
             except MPI.Exception as e:
                 if attempt == attempts - 1:
                     raise
                 error = e
 
-    def _recover(self, error: BaseException) -> None:
-        """Drop the dead CSDs (ULFM shrink), resync from the host and re-balance."""
+    def _recover(self, error: BaseException, *, replan: bool = True) -> None:
+        """Drop the dead CSDs (ULFM shrink), resync from the host and re-balance.
+
+        ``replan=False`` during the benchmark phase: there are no step models to
+        balance with yet; the survivors benchmark again and plan from that.
+        """
         t0 = time.perf_counter()
         ft.revoke(self.comm.comm)
         new = ft.shrink(self.comm.comm)
@@ -438,20 +449,53 @@ class Trainer:
                     "private samples are no longer trained on")
                 self.profiles.pop(r, None)
             self.last_change = []
-            self._plan_batches(f"ranks {dead} dropped")
+            if replan:
+                self._plan_batches(f"ranks {dead} dropped")
         elif self.is_host:
             self.log.event("mpi_error_recovered", step=self.step, error=str(error))
-        self._share_plan()
+        if replan:
+            self._share_plan()
+
+    def _start(self) -> None:
+        """Benchmark (when tuning), plan and share the first batches, with every survivor.
+
+        A CSD that dies in this phase (ULFM) is dropped and the survivors start it
+        over. The phase ends in an agreement because a collective may report a
+        failure to some ranks and complete on others; ``Agree`` tells all of them
+        alike, so no rank starts training while another benchmarks again. A rank
+        that saw an error revokes the communicator first, so that none stays
+        blocked in a collective the others have left.
+        """
+        s = self.cfg["stannis"]
+        for attempt in range(START_ATTEMPTS):
+            error: MPI.Exception | None = None
+            try:
+                if s["tune"]:
+                    self.benchmark()
+                if self.is_host:
+                    self._plan_batches("start" if s["tune"] else "equal batches")
+                self._share_plan()
+            except MPI.Exception as e:
+                if not ft.ulfm_enabled():
+                    raise
+                error = e
+                ft.revoke(self.comm.comm)
+            if not ft.ulfm_enabled():
+                return
+            everyone_ok, uniform = ft.agree(self.comm.comm, int(error is None))
+            if everyone_ok and uniform:
+                return
+            if attempt == START_ATTEMPTS - 1:
+                raise error or RuntimeError("the start-up phase failed on another rank")
+            self._recover_until_stable(error or RuntimeError("a peer failed at start-up"),
+                                       replan=False)
 
     # -- the loop -----------------------------------------------------------------------
     def train(self) -> None:
         cfg = self.cfg
         s, o = cfg["stannis"], cfg["optim"]
         steps = cfg["run"]["steps"]
-        if s["tune"]:
-            self.benchmark()
         if self.is_host:
-            self._plan_batches("start" if s["tune"] else "equal batches")
             for r in self.members:
                 self.log.event("energy_source", step=0, rank=r, source=self.sources[r])
             if any(self.bindings.values()):
@@ -459,7 +503,7 @@ class Trainer:
                                why="emulated CSDs bound to their own cores, as real drives compute "
                                    "on theirs (csd.bind_cpus); CSDs sharing a core take turns to "
                                    "compute")
-        self._share_plan()
+        self._start()
         self.comm.take()
         self.t_train = time.perf_counter()  # samples/s in the summary counts training only
         eval_every = cfg["run"]["eval_every"]

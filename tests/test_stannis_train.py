@@ -140,6 +140,73 @@ def test_slow_csds_trigger_retune_and_killed_csd_is_dropped(data: Path, tmp_path
     assert len(run.ranks[3]["step"]) < 45 and len(run.ranks[4]["step"]) == 45
 
 
+def _pid_of_rank(rank: int, marker: str) -> int | None:
+    """The pid of world ``rank`` of the job whose command line contains ``marker``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in cmdline and b"stannis" in cmdline and \
+                f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.timeout(240)
+def test_csd_killed_during_the_benchmark_is_dropped_and_the_rest_start_over(
+        data: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import threading
+
+    from mpipipe.launch import mpirun_command
+
+    log = tmp_path / "bench-kill.h5"
+    argv = ["-m", "stannis", "train", "--config", str(CONFIG), "--log", str(log),
+            "--set", f'data.path="{data}"', "--set", "csd.slowdown=2.0",
+            "--set", "run.eval_every=0", "--set", "run.steps=20",
+            # a long benchmark phase, so the kill lands inside it
+            "--set", "stannis.benchmark_repeats=60"]
+    job = subprocess.Popen(mpirun_command(5, *argv, ulfm=True), cwd=ROOT, env=mpirun_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(200, job.kill)  # a hang fails the test instead of blocking it
+    timer.start()
+    lines: list[str] = []
+    killed = None
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if killed is None and "benchmark:" in line:
+                killed = _pid_of_rank(3, str(log))
+                assert killed is not None, "rank 3's process was not found"
+                os.kill(killed, signal.SIGKILL)
+        job.wait()
+    finally:
+        timer.cancel()
+    assert job.returncode == 0, "".join(lines)[-4000:]
+    assert killed is not None, "".join(lines)
+    assert sum("benchmark:" in line for line in lines) == 2, "".join(lines)  # once more
+    run = open_log(log)
+    assert run.attrs["status"] == "completed"
+    assert int(run.steps["step"][-1]) == 20
+    dropped = run.events_of("csd_dropped")
+    assert [e["rank"] for e in dropped] == [3] and dropped[0]["step"] == 0
+    split = json.loads((data / "split.json").read_text())
+    assert dropped[0]["detail"]["samples_lost"] == split["records"]["csd3"]
+    # The survivors were benchmarked again and planned from those figures alone (the
+    # first phase may or may not have got as far as a plan before it failed).
+    bench = run.events_of("benchmark")
+    assert sorted(int(r) for r in bench[-1]["detail"]["models"]) == [0, 1, 2, 4], bench
+    start = [e["detail"] for e in run.events_of("retune") if e["step"] == 0][-1]
+    assert start["ranks"] == [0, 1, 2, 4] and sum(start["new"]) == 128
+    assert 3 not in run.ranks or len(run.ranks[3]["step"]) == 0
+    assert len(run.ranks[4]["step"]) == 20
+
+
 @pytest.mark.timeout(120)
 def test_wrong_world_size_is_one_clear_error(data: Path, tmp_path: Path) -> None:
     proc = _train(data, tmp_path / "x.h5", n=3, timeout=90)
