@@ -197,10 +197,7 @@ def worker(args: argparse.Namespace) -> None:
 
     # The tuner's benchmark phase and first plan, as `stannis train` does.
     cfg["stannis"]["tune"] = True
-    tr.benchmark()
-    if rank == 0:
-        tr._plan_batches("start")
-    tr._share_plan()
+    tr._start()
     # Let the tuner converge first, as it does early in any run: the rounds
     # measure HyperTune's steady state, not its first guess from the benchmark phase.
     together(CONVERGE_STEPS, tune=True)

@@ -49,7 +49,7 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     "optim": {
         "name": "sgd",  # sgd | adam
         "lr": 0.05,  # learning rate (at the first step)
-        "schedule": "constant",  # constant | cosine (decay to 0 over run.steps)
+        "schedule": "constant",  # constant | cosine (towards 0 over the run's steps)
         "momentum": 0.9,  # SGD momentum
         "weight_decay": 0.0,  # L2 penalty
     },

@@ -9,12 +9,14 @@ interpreter, root needs two variables, more ranks than cores need
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ROOT", "mpirun_env", "mpirun_command", "run_mpi"]
+__all__ = ["ROOT", "mpirun_env", "mpirun_command", "start_mpi", "kill_job", "run_mpi"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +44,27 @@ def mpirun_command(n: int, *argv: str, ulfm: bool = False, python: str = sys.exe
     return [*cmd, "--oversubscribe", "-x", "PYTHONPATH", "-n", str(n), python, *argv]
 
 
+def start_mpi(n: int, argv: Sequence[str], *, ulfm: bool = False,
+              env: Mapping[str, str] | None = None, cwd: Path = ROOT,
+              **popen: Any) -> subprocess.Popen:
+    """Start ``python ARGV`` on ``n`` ranks in a session of its own, so that
+    :func:`kill_job` can end every rank (they are not in mpirun's process group)."""
+    return subprocess.Popen(mpirun_command(n, *argv, ulfm=ulfm), cwd=cwd, env=mpirun_env(env),
+                            start_new_session=True, **popen)
+
+
+def kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL mpirun and every process of its session: killing mpirun alone orphans the ranks."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == job.pid:
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:  # gone already, or not ours
+                pass
+    job.wait()
+
+
 def run_mpi(
     n: int,
     argv: Sequence[str],
@@ -54,8 +77,15 @@ def run_mpi(
     """Run ``python ARGV`` on ``n`` ranks and capture its output.
 
     Raises:
-        subprocess.TimeoutExpired: the job outlived ``timeout`` (it is killed), so a
-            hang fails the caller instead of blocking it.
+        subprocess.TimeoutExpired: the job outlived ``timeout`` (every rank is killed),
+            so a hang fails the caller instead of blocking it or leaving ranks behind.
     """
-    return subprocess.run(mpirun_command(n, *argv, ulfm=ulfm), cwd=cwd, env=mpirun_env(env),
-                          capture_output=True, text=True, timeout=timeout)
+    job = start_mpi(n, argv, ulfm=ulfm, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except BaseException:
+        kill_job(job)
+        job.communicate()
+        raise
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)

@@ -42,7 +42,7 @@ from torch import nn
 from . import ft
 from .costmodel import predict, stage_shapes
 from .inject import Fault, FaultPlan
-from .lr import rate_at, set_lr
+from .lr import set_rate_for_step
 from .pipeline import SHADOW_GRAD_MICRO, Pipeline, Route
 from .replica import pack_state, replica_numel, unpack_state
 from .transport import REPLICA, SHADOW, Late, PeerFailed, pause
@@ -696,7 +696,7 @@ class ResPipe:
         factor = self.faults.slowdown(s)
         if factor > 1:
             time.sleep((factor - 1) * pipe.last_compute_s)
-        set_lr(opt, rate_at(self.cfg["optim"], s, self.total))
+        set_rate_for_step(opt, self.cfg["optim"], s, self.total)
         opt.step()
         self.done = s + 1
         self._replicate()
@@ -969,7 +969,7 @@ class ResPipe:
             grad = None if last else grad_of(i, len(ins[i]), deadline)
             if out.requires_grad:
                 out.backward(grad)
-        set_lr(self.optimizer, rate_at(self.cfg["optim"], s, self.total))
+        set_rate_for_step(self.optimizer, self.cfg["optim"], s, self.total)
         self.optimizer.step()
         self.snapshot = snap
         self.done = s + 1

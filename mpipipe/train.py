@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cli import Run, add_train_arguments, gather_figures, start_run
 from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
-from .lr import rate_at, set_lr
+from .lr import set_rate_for_step
 from .roles import pipeline_plan
 
 # torch, the engine and the data reader are imported where used, so that a wrong
@@ -235,7 +235,7 @@ def train_step(s: Setup, step: int) -> dict[str, float]:
     loss = pipe.step(x, y, s.loss_fn, step=step)
     t0 = time.perf_counter()
     if s.optimizer is not None:
-        set_lr(s.optimizer, rate_at(s.run.cfg["optim"], step, s.total_steps))
+        set_rate_for_step(s.optimizer, s.run.cfg["optim"], step, s.total_steps)
         s.optimizer.step()
     opt_s = time.perf_counter() - t0
     figures = {

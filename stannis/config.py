@@ -35,7 +35,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "lr": 0.05,  # learning rate at optim.base_batch; scaled linearly with the global batch
         "base_batch": 64,
         "warmup_steps": 10,  # linear warm-up to the scaled rate
-        "schedule": "constant",  # constant | cosine (decay to 0 over run.steps)
+        "schedule": "constant",  # constant | cosine (towards 0 over the run's steps)
         "momentum": 0.9,
         "weight_decay": 0.0,
     },

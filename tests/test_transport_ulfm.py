@@ -37,3 +37,33 @@ def test_dead_peer_raises_peer_failed(tmp_path):
     lines = result.stdout.splitlines()
     for name in ("recv", "recv_rows", "send"):
         assert f"{name} PeerFailed 1" in lines, result.stdout + result.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_job_past_its_timeout_leaves_no_rank_behind(tmp_path):
+    """Ranks are not in mpirun's process group: killing mpirun alone would orphan them."""
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "hang.py"
+    script.write_text("from mpi4py import MPI\nimport time\nMPI.COMM_WORLD.Barrier()\n"
+                      "print('up', flush=True)\ntime.sleep(600)\n")
+
+    def ranks() -> list[int]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and str(script).encode() in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+        return [p for p in found if p != os.getpid()]
+
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_mpi(2, [str(script)], timeout=15)
+    deadline = time.monotonic() + 10
+    while ranks() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ranks() == []
