@@ -107,6 +107,8 @@ def start_run(
 
     # Rank 0 opens the log; everyone learns whether that worked, so a bad path
     # stops all ranks instead of leaving the others waiting for rank 0.
+    # The others learn the file and its start time too, so that a survivor can take
+    # the log over if rank 0 dies (ResPipe).
     log: RunLog = RunLog.null()
     error = None
     if rank == 0:
@@ -117,9 +119,12 @@ def start_run(
                          attrs={"plan": plan.describe()})
         except OSError as e:
             error = f"cannot write the run log {path}: {e}"
-    error = comm.bcast(error, root=0)
+    error, where, start = comm.bcast((error, str(log.path.resolve()) if log.active else None,
+                                      log.start), root=0)
     if error:
         fail_fast(comm, error, prog, rank)
+    if rank != 0:
+        log = RunLog.null(where, start)
     progress = Progress(total_steps(cfg), enabled=(rank == 0), quiet=args.quiet,
                         every=cfg["run"].get("log_every", 10), prog=prog)
     return Run(comm, rank, size, cfg, plan, log, progress, args, prog)

@@ -45,6 +45,7 @@ from .inject import Fault, FaultPlan
 from .lr import set_rate_for_step
 from .pipeline import SHADOW_GRAD_MICRO, Pipeline, Route
 from .replica import pack_state, replica_numel, unpack_state
+from .runlog import LogError
 from .transport import REPLICA, SHADOW, Late, PeerFailed, pause
 
 __all__ = [
@@ -235,7 +236,8 @@ def encode_decision(d: Mapping[str, Any]) -> np.ndarray:
            d["t_detect"], d["waited_s"], len(d["members"]), *d["members"], len(route), *route,
            len(d["choices"]), *[x for k, c in sorted(d["choices"].items()) for x in (k, c)],
            len(d["silent"]), *d["silent"], d["admit"], d["admit_stage"],
-           *[x for k in range(len(route)) for x in (len(d["backups"][k]), *d["backups"][k])]]
+           *[x for k in range(len(route)) for x in (len(d["backups"][k]), *d["backups"][k])],
+           d["log"]]
     return np.asarray(vec, dtype=np.float64)
 
 
@@ -254,6 +256,7 @@ def read_decision(v: np.ndarray) -> dict[str, Any]:
     d["admit"], d["admit_stage"] = int(next(it)), int(next(it))
     d["backups"] = {k: [int(next(it)) for _ in range(int(next(it)))]
                     for k in range(len(d["route"]))}
+    d["log"] = int(next(it))
     return d
 
 
@@ -337,6 +340,8 @@ class ResPipe:
         self.batch_size = int(cfg["data"]["batch_size"])
         self.ulfm = ft.ulfm_enabled()
         self.gen = 0
+        self.log_w = 0  # world rank writing the log: rank 0 opened it; it moves if 0 leaves
+        self.recent_figs: deque[list[float]] = deque(maxlen=3)  # this rank's, for a new writer
         data = self.world.Dup()
         data.Set_errhandler(MPI.ERRORS_RETURN)
         ctl = data.Dup()
@@ -404,7 +409,7 @@ class ResPipe:
     # -- small helpers ---------------------------------------------------------------
     @property
     def is_logger(self) -> bool:
-        return self.wrank == 0
+        return self.wrank == self.log_w
 
     def _drank(self, world_rank: int) -> int:
         return self.members.index(world_rank)
@@ -456,14 +461,22 @@ class ResPipe:
         now = time.time()
         if self.is_logger:
             self._log_event("fault_injected", step, self.wrank, fault=str(fault), at=now)
+            if fault.kind in ("kill", "stall"):
+                # The log passes to a survivor, which needs the fault's time for its
+                # detected_after_s and recovery_s: every member hears it (logged: 1).
+                for w in self.members:
+                    if w != self.wrank:
+                        self.control.send(_FAULT, self._drank(w), [now, step, self.wrank, 1],
+                                          seq=self.wrank)
         else:
-            self.control.send(_FAULT, self._drank(self._logger_w()), [now, step, self.wrank],
+            self.control.send(_FAULT, self._drank(self._logger_w()), [now, step, self.wrank, 0],
                               seq=self.wrank)
         if fault.kind == "kill":
             time.sleep(0.01)  # let the note leave before the process dies
 
-    def _drain_fault_notes(self) -> None:
-        if not self.is_logger:
+    def _drain_fault_notes(self, writer: bool = False) -> None:
+        """The log writer (or the rank about to become it) reads the fault notes."""
+        if not (self.is_logger or writer):
             return
         for w in self.members:
             if w == self.wrank:
@@ -475,12 +488,13 @@ class ResPipe:
                              if f.targets(stage=self._launch_stage(w), rank=w)
                              and (f.kind == "delay" or f.step == step)), "?")
                 self.fault_notes[w] = (t, spec)
-                self._log_event("fault_injected", step, w, fault=spec, at=t)
+                if len(msg) < 4 or not msg[3]:  # the old writer logged its own
+                    self._log_event("fault_injected", step, w, fault=spec, at=t)
                 msg = self.control.poll(_FAULT, self._drank(w), seq=w)
 
     def _logger_w(self) -> int:
-        """World rank of the log writer (rank 0; the lowest member if it is gone)."""
-        return 0 if 0 in self.members else self.members[0]
+        """World rank of the log writer (rank 0 until a round moves it)."""
+        return self.log_w
 
     def _rel(self, t_abs: float) -> float | None:
         """A wall-clock time as seconds since the log opened (the log's time column)."""
@@ -530,6 +544,7 @@ class ResPipe:
                 except _RoundStarted as e:
                     self._recover(e.round)
             except Demoted as e:
+                self._leave_log()
                 if not self._rejoin(e):
                     raise
         self._finish()
@@ -610,10 +625,10 @@ class ResPipe:
         """A replaced rank asks to come back as a backup. True once it is one again.
 
         False (the rank then leaves, as without ULFM) when rejoining is not possible,
-        the job ended first, or nobody answered within REJOIN_WAIT_S. Rank 0 does not
-        rejoin: it writes the log, which would lose the rows of the steps it missed.
+        the job ended first, or nobody answered within REJOIN_WAIT_S. A replaced log
+        writer has let go of the log by now: the round gave it to a survivor.
         """
-        if not self._rejoin_enabled() or self.is_logger:
+        if not self._rejoin_enabled():
             return False
         print(f"mpipipe train: rank {self.wrank} was late and has been replaced ({demoted}); "
               "it asks to rejoin as a backup", file=sys.stderr, flush=True)
@@ -650,6 +665,7 @@ class ResPipe:
         k, P = d["admit_stage"], d["P"]
         self.data, self.control, self.members = new, _Control(ctl), list(d["members"])
         self.gen, self._gen_step = d["gen"], P
+        self.log_w = d["log"]
         self.route_w = list(d["route"])
         self.backups_w = {j: list(bs) for j, bs in d["backups"].items()}
         self.stage, self.shadowing = None, k
@@ -763,6 +779,7 @@ class ResPipe:
 
     # -- per-step figures and the log ------------------------------------------------
     def _report(self, s: int, figs: list[float]) -> None:
+        self.recent_figs.append(figs)
         if not self.is_logger:
             self.control.send(_FIGS, self._drank(self._logger_w()), figs, seq=s)
             return
@@ -1124,12 +1141,16 @@ class ResPipe:
                 len(backups[k]) - self.settings.backups.get(k, 0), len(backups[k]), k != own, k))
             backups[admit_stage].append(admit)
             members = sorted([*members, admit])
+        # The log's writer stays unless it left; then the lowest surviving stage writes it
+        # (a stage: it reports every step, and collects the other stages' figures).
+        log_w = self.log_w if self.log_w in members else \
+            min([w for w in route if w in members] or members)
         return read_decision(encode_decision({
             "gen": self.gen + 1, "P": P, "lost_stage": lost_stage, "merge": merge,
             "shrink": shrink, "reason": reason,
             "suspect": int(first[8]), "t_detect": float(first[9]), "waited_s": float(first[11]),
             "members": members, "route": route, "choices": choices, "silent": list(silent),
-            "admit": admit, "admit_stage": admit_stage, "backups": backups}))
+            "admit": admit, "admit_stage": admit_stage, "backups": backups, "log": log_w}))
 
     def _apply(self, d: Mapping[str, Any], heard: Mapping[int, np.ndarray], rnd: _Round) -> None:
         """Build the new communicators, then adopt the route, roles and state of step P."""
@@ -1173,16 +1194,17 @@ class ResPipe:
             ft.agree(new, 1)
         t_comm = time.time()
         del old_data  # never freed: a demoted rank may still post to it
-        if self.is_logger:
+        if self.wrank == d["log"]:
             # Fault notes and figures of steps before the round travel on the old control
             # communicator: read them before leaving it.
-            self._drain_fault_notes()
+            self._drain_fault_notes(writer=True)
             for s in sorted(self.pending_rows):
                 self._collect_figs(s, 0.2, alive=d["members"])
         self.data, self.control, self.members = new, _Control(ctl), members_new
         self.gen = d["gen"]
         P = d["P"]
         self._gen_step = P
+        self._move_log(d["log"], P)
         stage_before = {k: w for k, w in enumerate(self.route_w)}
         if d["lost_stage"] >= 0:
             k = d["lost_stage"]
@@ -1245,6 +1267,44 @@ class ResPipe:
         self._resync(P)
         if _DEBUG:
             self._say(f"applied at {time.time() % 100:.3f}")
+
+    def _move_log(self, log_w: int, P: int) -> None:
+        """Take the log over if the round made this rank its writer.
+
+        The rows of the steps before P that the old writer had not written yet are
+        rebuilt from this rank's own figures (the others' went to the old writer);
+        rows the old writer did write are kept once (RunLog.take_over).
+        """
+        old, self.log_w = self.log_w, log_w
+        if log_w == old or log_w != self.wrank:
+            return
+        if self.log is not None:
+            try:
+                self.log.take_over()
+            except LogError as e:  # the file was replaced or lost: train on, and say so
+                print(f"mpipipe train: error: rank {self.wrank} cannot take the run log over: "
+                      f"{e}; training goes on without a log", file=sys.stderr, flush=True)
+        if self.progress is not None:
+            self.progress.enabled = True
+        self.pending_rows = {}
+        for figs in self.recent_figs:
+            s = int(figs[0])
+            if s < P:
+                row = _Row(s, figs[1], figs[2], self.batch_size)
+                row.ranks[self.wrank] = self._fig_dict(figs)
+                self.pending_rows[s] = row
+        self._log_event("log_writer_moved", P, self.wrank, previous=old,
+                        why="the previous writer left the job (failed or replaced)")
+        if self.progress is not None:
+            self.progress.message(f"rank {self.wrank} writes the log from step {P + 1} on "
+                                  f"(rank {old} left the job)")
+
+    def _leave_log(self) -> None:
+        """A replaced writer lets go of the file (the new writer waits for it)."""
+        if self.log is not None and self.log.active:
+            self.log.release()
+        if self.progress is not None:
+            self.progress.enabled = False
 
     def _flush_rows_until(self, P: int) -> None:
         if self.is_logger:
@@ -1423,6 +1483,16 @@ def _eval_fn(cfg: Mapping[str, Any], eval_batches: int
     return evaluate
 
 
+def _close_log(run: Any, status: str) -> bool:
+    """Close the log if this rank writes it; False (and one error line) if it could not."""
+    try:
+        run.log.close(status)
+    except LogError as e:
+        print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def train(run: Any) -> int:
     """`python -m mpipipe train` with ResPipe: the resilient loop on every rank; exit status.
 
@@ -1467,14 +1537,13 @@ def train(run: Any) -> int:
     rp = ResPipe(cfg=cfg, plan=run.plan, pipe=s.pipe, make_optimizer=make_opt,
                  loss_fn=s.loss_fn, batch_of=BatchCache(next_batch, seek=seek),
                  evaluate=_eval_fn(cfg, s.eval_batches), log=log,
-                 progress=progress if run.rank == 0 else None, comm=run.comm,
+                 progress=progress, comm=run.comm,
                  in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir)
     t0 = time.perf_counter()
     try:
         result = rp.train(s.total_steps, cfg["run"]["eval_every"])
     except StageLost as e:
-        if log.active:
-            log.close(f"failed: {e}")
+        _close_log(run, f"failed: {e}")
         if rp.members and rp.wrank == rp.members[0]:
             print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
             rp.close_lobby()  # a replaced rank waiting to rejoin leaves too
@@ -1491,14 +1560,14 @@ def train(run: Any) -> int:
     except Demoted as e:
         print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
               f"the job without sending anything", file=sys.stderr, flush=True)
-        if log.active:
-            log.close(f"failed: rank 0 was replaced ({e})")
+        # (a replaced log writer let go of the log: a survivor writes it now)
         # Leave without MPI_Finalize, whose world-wide agreement would wait for ranks
         # that have moved on (or, after a lost stage, exited with an error).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
     elapsed = time.perf_counter() - t0
+    code = 0
     if log.active:
         batch = cfg["data"]["batch_size"]
         summary = {
@@ -1511,12 +1580,12 @@ def train(run: Any) -> int:
         }
         log.set_attr("summary", summary)
         progress.summary(**summary)  # printed under --quiet too
-        log.close("completed")
+        code = 0 if _close_log(run, "completed") else 1
     if result["takeovers"] or result["generation"]:
         # A replaced rank leaves without MPI_Finalize (see Demoted above), and a killed
         # one never reaches it; the world-wide agreement inside Finalize was seen to wait
         # for such a rank now and then. Everything is written and closed: leave as well.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code

@@ -1,24 +1,33 @@
-"""The HDF5 run log: one file per run, written by rank 0, flushed after every record.
+"""The HDF5 run log: one file per run, written by one rank, flushed after every record.
 
 Both systems write the same schema (docs/hdf5-log.md), so one report command
 reads every run. Rows are appended to extendable datasets and the file is
 flushed after each call, so a run killed at any moment leaves a file that
 reads up to its last completed step.
+
+Rank 0 creates the file; every other rank holds a :meth:`RunLog.null` log that
+knows the file and the run's start, so that a survivor can :meth:`RunLog.take_over`
+when the writer dies or is replaced (ResPipe). HDF5's file lock keeps the
+two from writing at once: a replaced writer that is still alive keeps the lock
+until it releases it (:meth:`RunLog.release`) or exits, and the new one holds its
+records until then.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import platform
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import wraps
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import h5py
 import numpy as np
@@ -75,8 +84,38 @@ def _append(group: h5py.Group, fields: Mapping[str, Any], rows: Sequence[Mapping
         ds[n:] = np.asarray(values, dtype=object if dtype is _STR else dtype)
 
 
+_Method = TypeVar("_Method", bound=Callable[..., None])
+RETRY_OPEN_S = 0.25  # how often a new writer tries again to open a file still locked
+
+
+def _record(method: _Method) -> _Method:
+    """A writing method: runs on the open file, waits in the queue of a writer whose
+    file is still locked, and does nothing on a null log."""
+
+    @wraps(method)
+    def write(self: RunLog, *args: Any, **kwargs: Any) -> None:
+        if self._file is None and self._queue is not None:
+            self._try_open()
+        if self._file is not None:
+            method(self, *args, **kwargs)
+        elif self._queue is not None:
+            # A record's time is when it was made, not when the file opened.
+            now = self.elapsed()
+            if method.__name__ == "steps":
+                args = ([{**r, "time": now if r.get("time") is None else r["time"]}
+                         for r in args[0]],)
+            elif "time" in inspect.signature(method).parameters and kwargs.get("time") is None:
+                kwargs = {**kwargs, "time": now}
+            self._queue.append((method, args, kwargs))
+
+    return write  # type: ignore[return-value]
+
+
 class RunLog:
     """Writer of one run's HDF5 log. Create it on rank 0; other ranks use :meth:`null`."""
+
+    _queue: list[tuple[Callable[..., None], tuple, dict]] | None = None  # taken over, not open
+    _written_through: int | None = None  # taken over: the last step row the file had
 
     def __init__(
         self,
@@ -114,17 +153,80 @@ class RunLog:
         f.flush()
 
     @classmethod
-    def null(cls) -> RunLog:
-        """A log that writes nothing: what ranks other than 0 hold."""
+    def null(cls, path: str | Path | None = None, start: float | None = None) -> RunLog:
+        """A log that writes nothing: what ranks other than 0 hold.
+
+        Given the file and the writer's start time (``start_unix``), the rank can
+        :meth:`take_over` the log later with the same time column.
+        """
         obj = cls.__new__(cls)
         obj._file = None
-        obj._t0 = time.time()
-        obj.path = None  # type: ignore[assignment]
+        obj._t0 = time.time() if start is None else start
+        obj.path = None if path is None else Path(path)  # type: ignore[assignment]
         return obj
 
     @property
     def active(self) -> bool:
-        return self._file is not None
+        """Whether this rank is the writer (its records reach the file, now or later)."""
+        return self._file is not None or self._queue is not None
+
+    def take_over(self) -> None:
+        """Make this rank the writer of the log that rank 0 created.
+
+        Opens the file for appending now, or, while the previous writer still holds
+        it (replaced but alive), at a later record: records wait in order until then.
+
+        Raises:
+            LogError: this log does not know its file, or the file is not a run log.
+        """
+        if self.active:
+            return
+        if self.path is None:
+            raise LogError("this rank's log does not know the run's file; cannot take it over")
+        self._queue = []
+        self._next_open = 0.0
+        self._try_open()
+
+    def release(self) -> None:
+        """Close the file without marking the run finished: another rank writes it now."""
+        if self._file is not None:
+            self._file.close()
+        self._file, self._queue = None, None
+
+    def _try_open(self, wait_s: float = 0.0) -> bool:
+        """Open a taken-over log (retrying for ``wait_s``) and write what waited."""
+        give_up = time.monotonic() + wait_s
+        while self._file is None:
+            now = time.monotonic()
+            if now >= self._next_open:
+                try:
+                    f = h5py.File(self.path, "a")
+                except BlockingIOError:  # the previous writer still holds the lock
+                    self._next_open = now + RETRY_OPEN_S
+                else:
+                    if f.attrs.get("format") != FORMAT:
+                        f.close()
+                        self._queue = None
+                        raise LogError(f"{self.path}: not an mpipipe run log; will not "
+                                       "write into it")
+                    self._file = f
+                    break
+            if now >= give_up:
+                return False
+            time.sleep(min(RETRY_OPEN_S, max(give_up - now, 0.0)))
+        steps = self._file["steps"]
+        # Rows of steps the previous writer got to write are kept once (its, not ours).
+        self._written_through = int(steps["step"][-1]) if "step" in steps and \
+            len(steps["step"]) else -1
+        queue, self._queue = self._queue or [], None
+        for method, args, kwargs in queue:
+            method(self, *args, **kwargs)
+        return True
+
+    @property
+    def start(self) -> float:
+        """The Unix time the ``time`` column counts from (the file's ``start_unix``)."""
+        return self._t0
 
     def elapsed(self) -> float:
         """Seconds since the log was opened: the ``time`` column of every row."""
@@ -144,14 +246,18 @@ class RunLog:
         self.steps([{"step": step, "time": time, "loss": loss, "samples": samples,
                      "samples_per_s": samples_per_s, "ranks": ranks}])
 
+    @_record
     def steps(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Record several steps at once (keyword arguments of :meth:`step` per row).
 
         One resize and one write per dataset for all of them: what a writer that
         has fallen behind uses to catch up.
         """
-        if self._file is None or not rows:
+        if self._written_through is not None:
+            rows = [r for r in rows if int(r["step"]) > self._written_through]
+        if not rows:
             return
+        assert self._file is not None
         now = self.elapsed()
         _append(self._file["steps"], _STEP_FIELDS, [
             {**{k: v for k, v in row.items() if k != "ranks"},
@@ -176,18 +282,18 @@ class RunLog:
             _append(group, fields, rank_rows)
         self._file.flush()
 
+    @_record
     def eval(self, step: int, *, accuracy: float, loss: float = math.nan, time: float | None = None) -> None:
         """Record one evaluation on the held-out split."""
-        if self._file is None:
-            return
+        assert self._file is not None
         t = self.elapsed() if time is None else time
         _append(self._file["eval"], _EVAL_FIELDS, [{"step": step, "time": t, "accuracy": accuracy, "loss": loss}])
         self._file.flush()
 
+    @_record
     def event(self, kind: str, *, step: int, rank: int = -1, time: float | None = None, **detail: Any) -> None:
         """Record one event (fault injected, failure detected, takeover, re-tune, ...)."""
-        if self._file is None:
-            return
+        assert self._file is not None
         t = self.elapsed() if time is None else time
         _append(self._file["events"], _EVENT_FIELDS, [{
             "step": step, "time": t, "kind": kind, "rank": rank,
@@ -195,15 +301,26 @@ class RunLog:
         }])
         self._file.flush()
 
+    @_record
     def set_attr(self, key: str, value: Any) -> None:
         """Set a root attribute (e.g. the final summary)."""
-        if self._file is None:
-            return
+        assert self._file is not None
         self._file.attrs[key] = value if isinstance(value, str | int | float) else json.dumps(value, default=_jsonable)
         self._file.flush()
 
-    def close(self, status: str = "completed") -> None:
-        """Mark the run finished (``completed`` or ``failed: why``) and close the file."""
+    def close(self, status: str = "completed", wait_s: float = 30.0) -> None:
+        """Mark the run finished (``completed`` or ``failed: why``) and close the file.
+
+        A writer that took over waits up to ``wait_s`` for the previous one to let go.
+
+        Raises:
+            LogError: the file stayed locked by another process: nothing waiting was written.
+        """
+        if self._file is None and self._queue is not None and not self._try_open(wait_s):
+            waiting = len(self._queue)
+            self._queue = None
+            raise LogError(f"{self.path}: still locked by the run's previous log writer after "
+                           f"{wait_s:.0f} s; {waiting} records of this run were not written")
         if self._file is None:
             return
         self._file.attrs["status"] = status

@@ -155,6 +155,90 @@ def test_runlog_failure_status_and_null(tmp_path):
     RunLog.null().step(1, loss=0, samples=0, samples_per_s=0)  # writes nothing, no error
 
 
+def test_a_survivor_takes_the_log_over_where_the_dead_writer_left_it(tmp_path):
+    path = tmp_path / "run.h5"
+    writer = RunLog(path, system="mpipipe", config={}, comm_size=2)
+    for s in (1, 2, 3):
+        writer.step(s, loss=float(s), samples=4, samples_per_s=1.0)
+    writer.release()  # as a killed writer leaves it: flushed, status still "running"
+    assert open_log(path).attrs["status"] == "running"
+    survivor = RunLog.null(path, writer.start)
+    assert not survivor.active
+    survivor.take_over()
+    assert survivor.active
+    # step 3 was rebuilt from the survivor's own figures: the file's row is kept once
+    survivor.step(3, loss=math.nan, samples=4, samples_per_s=1.0)
+    survivor.step(4, loss=4.0, samples=4, samples_per_s=1.0)
+    survivor.event("log_writer_moved", step=3, rank=1, previous=0)
+    survivor.close("completed")
+    run = open_log(path)
+    assert list(run.steps["step"]) == [1, 2, 3, 4]
+    assert list(run.steps["loss"]) == [1.0, 2.0, 3.0, 4.0]
+    assert run.attrs["status"] == "completed"
+    assert run.events_of("log_writer_moved")[0]["detail"] == {"previous": 0}
+    assert run.steps["time"][3] >= run.steps["time"][2]  # one time axis: the run's start
+
+
+_HOLD = """
+import sys, time, h5py
+f = h5py.File(sys.argv[1], "a")
+print("holding", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _hold(path, seconds: float):
+    """Another process that keeps the log open (a replaced writer, still alive)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path), str(seconds)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_a_new_writer_waits_for_a_replaced_one_and_keeps_each_records_time(tmp_path):
+    import time
+
+    path = tmp_path / "run.h5"
+    writer = RunLog(path, system="mpipipe", config={}, comm_size=2)
+    writer.step(1, loss=1.0, samples=4, samples_per_s=1.0)
+    writer.release()
+    holder = _hold(path, 1.5)
+    survivor = RunLog.null(path, writer.start)
+    survivor.take_over()  # the file is locked: records wait
+    made_at = survivor.elapsed()
+    survivor.event("takeover", step=1, rank=1)
+    survivor.step(2, loss=2.0, samples=4, samples_per_s=1.0)
+    survivor.close("completed", wait_s=20)  # waits for the holder to exit
+    holder.wait()
+    run = open_log(path)
+    assert list(run.steps["step"]) == [1, 2] and run.attrs["status"] == "completed"
+    assert abs(run.events_of("takeover")[0]["time"] - made_at) < 0.5  # not when written
+    assert run.steps["time"][1] < made_at + 0.5
+    # a writer that stays locked out says so and names the file
+    holder = _hold(path, 30)
+    late = RunLog.null(path, time.time())
+    late.take_over()
+    late.event("x", step=0)
+    with pytest.raises(LogError, match="still locked"):
+        late.close("completed", wait_s=0.5)
+    holder.kill()
+    holder.wait()
+    assert open_log(path).attrs["status"] == "completed"  # untouched
+
+
+def test_taking_over_a_foreign_file_or_without_a_path_is_refused(tmp_path):
+    with h5py.File(tmp_path / "foreign.h5", "w") as f:
+        f["x"] = [1]
+    with pytest.raises(LogError, match="not an mpipipe run log"):
+        RunLog.null(tmp_path / "foreign.h5", 0.0).take_over()
+    with pytest.raises(LogError, match="does not know the run's file"):
+        RunLog.null().take_over()
+
+
 def test_open_log_rejects_foreign_and_damaged_files(tmp_path):
     with pytest.raises(LogError, match="no such file"):
         open_log(tmp_path / "missing.h5")

@@ -159,6 +159,48 @@ def test_a_replaced_rank_rejoins_as_a_backup_and_takes_over_again(runs):
             assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault", ["kill:stage=0:step=7",
+                                   "stall:stage=0:step=7:seconds=4"])
+def test_the_log_moves_to_a_survivor_when_its_writer_is_killed_or_replaced(runs, fault):
+    # Rank 0 (stage 0) writes the log. Killed, its file is as it left it; stalled, it
+    # still holds the file until it wakes. Either way the lowest surviving stage writes
+    # the rest into the same file, with no step missing and none twice.
+    clean, _, clean_ckpt = runs("cold-r1", 4, ONE_BACKUP, "resilience.replicate_every=1")
+    result, log, ckpt = runs(f"writer-{fault.split(':')[0]}", 4, "resilience.backups={0 = 1}",
+                             "resilience.replicate_every=1", "resilience.deadline_s=1.5",
+                             f"inject:{fault}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = _open(log)
+    assert run.attrs["status"] == "completed"
+    moved = run.events_of("log_writer_moved")
+    assert [(e["rank"], e["detail"]["previous"]) for e in moved] == [(1, 0)]
+    takeover = run.events_of("takeover")[0]
+    assert (takeover["rank"], takeover["detail"]["stage"]) == (3, 0)
+    # the fault's time reached the new writer: detection is measured from it
+    assert 0 < takeover["detail"]["detected_after_s"] < 10
+    assert [e["kind"] for e in run.events].count("fault_injected") == 1
+    assert list(run.steps["step"]) == list(range(1, STEPS + 1))
+    assert run.steps["samples"].sum() == STEPS * BATCH
+    assert "summary" in run.attrs
+    # Failure-free arithmetic (where the backup sits does not change it).
+    for got, want in zip(_params(ckpt), _params(clean_ckpt), strict=True):
+        for key in want:
+            assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_writer_without_backup_still_leaves_a_closed_log_naming_the_stage(runs):
+    result, log, _ = runs("lost-writer", 3, NO_BACKUP, "inject:kill:stage=0:step=5",
+                          timeout=120)
+    assert result.returncode != 0
+    assert "mpipipe train: error: stage 0" in result.stderr, result.stderr[-3000:]
+    run = _open(log)
+    assert run.attrs["status"].startswith("failed: stage 0")
+    assert run.events_of("stage_lost")[0]["detail"]["stage"] == 0
+    assert list(run.steps["step"])[:4] == [1, 2, 3, 4]
+
+
 @pytest.mark.timeout(300)
 def test_kill_without_backup_stops_with_an_error_naming_the_stage(runs):
     result, log, _ = runs("lost", 3, NO_BACKUP, "inject:kill:stage=1:step=5", timeout=120)

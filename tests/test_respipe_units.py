@@ -251,7 +251,7 @@ def test_a_decision_survives_its_trip_as_one_vector() -> None:
     d = {"gen": 3, "P": 41, "lost_stage": -1, "merge": -1, "shrink": 0, "reason": "rejoin",
          "suspect": 1, "t_detect": 1.7e9 + 0.25, "waited_s": 1.7e9, "members": [0, 1, 2, 4, 5],
          "route": [0, 4, 2], "choices": {1: 40}, "silent": [], "admit": 1, "admit_stage": 1,
-         "backups": {0: [5], 1: [1], 2: []}}
+         "backups": {0: [5], 1: [1], 2: []}, "log": 2}
     back = read_decision(encode_decision(d))
     assert back.pop("vector") is not None
     assert back == d
