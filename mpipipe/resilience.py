@@ -317,6 +317,7 @@ class ResPipe:
         in_shape: Sequence[int] | None = None,
         out: Any = None,
         checkpoint_dir: Any = None,
+        resume: tuple[int, Callable[[int], Any]] | None = None,
     ) -> None:
         from mpi4py import MPI
 
@@ -389,6 +390,36 @@ class ResPipe:
                                         self.momentum), 0), k)
         if self.shadowing is not None:
             self._warm_up(self.shadowing)
+        if resume is not None:
+            self._resume(*resume)
+
+    def _resume(self, step: int, load: Callable[[int], Any]) -> None:
+        """Continue from the checkpoints of ``step`` (``load(k)`` reads stage k's).
+
+        A stage loads its own state, and a holder (backup, or neighbour) loads the
+        checkpoint of each stage it holds as that stage's replica of ``step``: a
+        takeover before the first new replica then continues from the checkpoint,
+        not from the initial weights.
+
+        Raises:
+            CheckpointError: a checkpoint is missing or unreadable (from ``load``).
+        """
+        self.done = step
+        owned = [self.stage] if self.stage is not None else []
+        held = [self.shadowing] if self.shadowing is not None else list(self.wards)
+        for k in owned + held:
+            state = load(k)
+            self.pipe.partitions[k].load_state_dict(state.params)
+            params = self._params(k)
+            opt = self.optimizer if k == self.stage else self.make_optimizer(params)
+            if state.optimizer and isinstance(opt, torch.optim.Optimizer):
+                opt.load_state_dict(state.optimizer)
+            if k in held:
+                slot = _Slot(pack_state(params, opt, self.optim, self.momentum), step)
+                if self.stage is not None:
+                    self.ward_slots[k] = [slot]
+                else:
+                    self.slots = [slot]
 
     def _warm_up(self, stage: int) -> None:
         """Run the stage's layers and its optimizer once on throwaway copies.
@@ -951,8 +982,13 @@ class ResPipe:
         part = pipe.partitions[k]
         params = self._params(k)
         if self.optimizer is None or getattr(self, "_mirror_of", None) != k:
+            # A new mirror starts from the replica it holds (of step 0, or of a resumed
+            # run's checkpoint), optimizer state included.
             self.optimizer = self.make_optimizer(params)
             self._mirror_of = k
+            if self.slots:
+                unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim,
+                             self.momentum, self.slots[-1].count)
         src = self._drank(stage_w)
         last = k == pipe.k - 1
         shape, dtype = pipe.boundary_shapes(self.in_shape)[k]
@@ -1500,12 +1536,9 @@ def train(run: Any) -> int:
     then hands the steps to :class:`ResPipe`. A stage lost with no backup stops every
     survivor with one error line naming the stage (exit 2) and a closed, readable log.
     """
-    from . import data
+    from . import checkpoint, data
     from . import train as plain
 
-    if run.args.resume:
-        run.fail("--resume with ResPipe is not supported: backups would start without the "
-                 "stages' state; resume with the plain pipeline (no backups)")
     s = plain.setup(run)
     cfg, log, progress = run.cfg, run.log, run.progress
     try:
@@ -1534,11 +1567,20 @@ def train(run: Any) -> int:
     def make_opt(params: Iterable[nn.Parameter]) -> Any:
         return plain.make_optimizer(cfg, list(params)) or _NoParams()
 
-    rp = ResPipe(cfg=cfg, plan=run.plan, pipe=s.pipe, make_optimizer=make_opt,
-                 loss_fn=s.loss_fn, batch_of=BatchCache(next_batch, seek=seek),
-                 evaluate=_eval_fn(cfg, s.eval_batches), log=log,
-                 progress=progress, comm=run.comm,
-                 in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir)
+    resume = None
+    if run.args.resume:
+        directory = run.args.resume
+        resume = (s.start_step, lambda k: checkpoint.load_stage(directory, k))
+    error = None
+    try:
+        rp = ResPipe(cfg=cfg, plan=run.plan, pipe=s.pipe, make_optimizer=make_opt,
+                     loss_fn=s.loss_fn, batch_of=BatchCache(next_batch, seek=seek),
+                     evaluate=_eval_fn(cfg, s.eval_batches), log=log,
+                     progress=progress, comm=run.comm,
+                     in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir, resume=resume)
+    except checkpoint.CheckpointError as e:  # a backup's (a stage's failed in setup)
+        error = str(e)
+    plain.agree(run, error)
     t0 = time.perf_counter()
     try:
         result = rp.train(s.total_steps, cfg["run"]["eval_every"])

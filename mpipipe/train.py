@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from . import data
     from .pipeline import Pipeline
 
-__all__ = ["add_parser", "main", "Setup", "setup", "make_optimizer", "train_step",
+__all__ = ["add_parser", "main", "Setup", "setup", "make_optimizer", "agree", "train_step",
            "evaluate", "save_checkpoint", "train"]
 
 PROG = "mpipipe train"
@@ -90,7 +90,7 @@ def make_optimizer(cfg: dict, params: list[nn.Parameter]) -> torch.optim.Optimiz
                            weight_decay=o["weight_decay"])
 
 
-def _agree(run: Run, error: str | None) -> None:
+def agree(run: Run, error: str | None) -> None:
     """Every rank learns the first error any rank hit, and all stop together."""
     errors = run.comm.allgather(error)
     first = next((e for e in errors if e), None)
@@ -156,7 +156,7 @@ def setup(run: Run) -> Setup:
             state = checkpoint.load_stage(run.args.resume, my_stage)
         except checkpoint.CheckpointError as e:
             error = str(e)
-    _agree(run, error)
+    agree(run, error)
     if run.args.resume:
         seen = comm.allgather(None if state is None else (state.step, tuple(state.balance)))
         seen = {s for s in seen if s is not None}
@@ -207,7 +207,10 @@ def setup(run: Run) -> Setup:
         if optimizer is not None and state.optimizer:
             optimizer.load_state_dict(state.optimizer)
         if setup_.train_data is not None:
-            setup_.train_data.seek(*state.sampler)
+            if state.sampler[0] >= 0:
+                setup_.train_data.seek(*state.sampler)
+            else:  # ResPipe's checkpoints: its readers are positioned by the step alone
+                setup_.train_data.seek_batch(state.step)
         pipe.eval_count = state.eval_count
     if run.args.resume:
         setup_.start_step = comm.bcast(state.step if state is not None else None,

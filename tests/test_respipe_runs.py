@@ -21,11 +21,13 @@ STEPS, BATCH = 20, 32
 
 @pytest.fixture(scope="module")
 def runs(digits, tmp_path_factory):
-    """run(name, ranks, *settings, ulfm=...) -> (CompletedProcess, log path, checkpoints)."""
+    """run(name, ranks, *settings, ulfm=..., resume=name) -> (CompletedProcess, log path,
+    checkpoints); ``resume`` continues from the checkpoints of the named run."""
     base = tmp_path_factory.mktemp("respipe")
 
     @cache
-    def run(name: str, ranks: int, *settings: str, ulfm: bool = True, timeout: float = 150):
+    def run(name: str, ranks: int, *settings: str, ulfm: bool = True, timeout: float = 150,
+            resume: str | None = None):
         log = base / f"{name}.h5"
         cmd = ["-m", "mpipipe", "train", "--quiet", "--config", str(CONFIG),
                 "--set", f'data.path="{digits}"', "--set", f"run.steps={STEPS}",
@@ -33,6 +35,8 @@ def runs(digits, tmp_path_factory):
                 "--set", f"data.batch_size={BATCH}", "--log", str(log)]
         for s in settings:
             cmd += ["--inject", s[len("inject:"):]] if s.startswith("inject:") else ["--set", s]
+        if resume:
+            cmd += ["--resume", str(base / f"{resume}-ckpt")]
         result = run_mpi(ranks, cmd, ulfm=ulfm, timeout=timeout)
         return result, log, base / f"{name}-ckpt"
 
@@ -199,6 +203,31 @@ def test_a_killed_writer_without_backup_still_leaves_a_closed_log_naming_the_sta
     assert run.attrs["status"].startswith("failed: stage 0")
     assert run.events_of("stage_lost")[0]["detail"]["stage"] == 0
     assert list(run.steps["step"])[:4] == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(600)
+def test_a_resumed_run_with_backups_gives_them_the_checkpoint_and_equals_a_clean_run(runs):
+    # Hot mode, R=10: the first run stops at step 12 (stage 2 has no backup) with
+    # checkpoints of step 10. The resumed run kills stage 1 at step 15, before any new
+    # replica: its mirror must have started from the checkpoint, not the initial weights.
+    hot = (ONE_BACKUP, "resilience.replicate_every=10", 'resilience.mode="hot"')
+    clean, _, clean_ckpt = runs("hot-r10", 4, *hot)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    first, _, _ = runs("resume-first", 4, *hot, "run.checkpoint_every=10",
+                       "inject:kill:stage=2:step=12")
+    assert first.returncode == 2 and "stage 2" in first.stderr, first.stderr[-3000:]
+    result, log, ckpt = runs("resume-second", 4, *hot, "inject:kill:stage=1:step=15",
+                             resume="resume-first")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = _open(log)
+    assert run.events_of("resume")[0]["step"] == 10
+    takeover = run.events_of("takeover")[0]
+    assert takeover["detail"]["stage"] == 1 and takeover["detail"]["lost_updates"] == 0
+    assert list(run.steps["step"]) == list(range(11, STEPS + 1))
+    assert run.steps["samples"].sum() == (STEPS - 10) * BATCH
+    for got, want in zip(_params(ckpt), _params(clean_ckpt), strict=True):
+        for key in want:
+            assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
 
 
 @pytest.mark.timeout(300)
