@@ -1,14 +1,32 @@
-"""Batch-size-weighted gradient allreduce over flattened, bucketed buffers."""
+"""Batch-size-weighted gradient allreduce over flattened, bucketed buffers, and the
+broadcast that puts every rank on the host's parameters and optimizer state."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from mpi4py import MPI
 
+from mpipipe.replica import pack_state, unpack_state
 from mpipipe.transport import pause
+
+
+def broadcast_state(comm: Any, params: Sequence[torch.nn.Parameter],
+                    optimizer: torch.optim.Optimizer, optim: str, momentum: float,
+                    steps_taken: int, root: int = 0) -> None:
+    """Give every rank ``root``'s parameters and optimizer state, in one buffer ``Bcast``.
+
+    Why the optimizer state too: after a CSD is dropped the survivors restart from
+    the host's state; with its momentum (or Adam moments) they continue the same
+    trajectory instead of restarting the average from zero. ``steps_taken`` = 0
+    means no optimizer step yet: the state is then empty everywhere.
+    """
+    flat = pack_state(params, optimizer, optim, momentum).contiguous()
+    comm.Bcast([flat.numpy(), MPI.FLOAT], root=root)
+    unpack_state(flat, params, optimizer, optim, momentum, steps_taken)
 
 
 class WeightedAllreduce:

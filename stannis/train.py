@@ -21,7 +21,7 @@ from mpipipe.inject import FaultPlan, parse_all
 from mpipipe.lr import decay, set_lr
 from mpipipe.models import build_model
 
-from .allreduce import WeightedAllreduce
+from .allreduce import WeightedAllreduce, broadcast_state
 from .audit import AuditedComm
 from .background_log import BackgroundLog
 from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, csd_dir, csd_profile, emulation, stannis_plan
@@ -145,8 +145,7 @@ class Trainer:
         self.loss_fn = torch.nn.CrossEntropyLoss()
         self.reducer = WeightedAllreduce(self.comm, self.model.parameters(),
                                          cfg["stannis"]["bucket_bytes"])
-        self._sync_from_host()
-        self.comm.take()
+        self.step = 0  # optimizer steps applied (the host's state is shared in _start)
 
         self.faults = FaultPlan(parse_all(cfg["stannis"]["inject"]), seed=seed, stage=None,
                                 rank=self.world_rank)
@@ -169,7 +168,6 @@ class Trainer:
         self._pending: dict[str, Any] | None = None  # host: the step row held back
         self.history: list[tuple[int, int, float]] = []  # host: (step, samples, end time)
         self.totals = {r: {"samples": 0, "joules": 0.0, "busy_s": 0.0} for r in self.members}
-        self.step = 0
 
     # -- set-up -------------------------------------------------------------------------
     def _bind_cpus(self, one_machine: bool) -> list[int] | None:
@@ -242,18 +240,12 @@ class Trainer:
             self.run.fail(f"{reader}: records need fields 'image' and 'label'")
         return tuple(fields["image"].shape)
 
-    def _state_vector(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
-
     def _sync_from_host(self) -> None:
-        """Every rank starts (and restarts after a failure) from the host's parameters."""
-        flat = self._state_vector().contiguous()
-        self.comm.Bcast([flat.numpy(), MPI.FLOAT], root=0)
-        off = 0
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()
+        """Every rank starts (and restarts after a failure) from the host's parameters
+        and optimizer state."""
+        o = self.cfg["optim"]
+        broadcast_state(self.comm, list(self.model.parameters()), self.optimizer, o["name"],
+                        float(o["momentum"]) if o["name"] == "sgd" else 0.0, self.step)
 
     def _fault_logger(self, rank: int):
         def log(fault: Any, step: int, detail: dict) -> None:
@@ -427,12 +419,11 @@ class Trainer:
         self.members = survivors
         self.reducer.comm = self.comm
         # The host's state wins: a survivor that already applied this step and one
-        # that had not end up identical; momentum restarts everywhere.
+        # that had not end up identical, momentum included.
         step = np.array([self.step], dtype=np.int64)
         self.comm.Bcast(step, root=0)
         self.step = int(step[0])
         self._sync_from_host()
-        self.optimizer.state.clear()
         dead, self.dropped_pending = self.dropped_pending, []
         # The interrupted exchange carried the last step's late figures: that row is
         # written without them.
@@ -457,7 +448,8 @@ class Trainer:
             self._share_plan()
 
     def _start(self) -> None:
-        """Benchmark (when tuning), plan and share the first batches, with every survivor.
+        """Share the host's state, benchmark (when tuning), plan and share the first
+        batches, with every survivor.
 
         A CSD that dies in this phase (ULFM) is dropped and the survivors start it
         over. The phase ends in an agreement because a collective may report a
@@ -470,6 +462,7 @@ class Trainer:
         for attempt in range(START_ATTEMPTS):
             error: MPI.Exception | None = None
             try:
+                self._sync_from_host()
                 if s["tune"]:
                     self.benchmark()
                 if self.is_host:

@@ -83,3 +83,40 @@ def test_all_empty_gives_zero_gradient() -> None:
     reducer = WeightedAllreduce(comm, model.parameters())
     assert reducer.reduce(0) == 0
     assert all(p.grad.abs().max().item() == 0 for p in model.parameters())
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_broadcast_state_gives_every_rank_the_roots_parameters_and_momentum(optim: str) -> None:
+    # What survivors do after a CSD is dropped: they continue from the host's state,
+    # optimizer moments included, so one more identical update keeps them identical.
+    from stannis.allreduce import broadcast_state
+
+    comm = MPI.COMM_WORLD
+    model = _model()
+    params = list(model.parameters())
+    opt = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if optim == "sgd"
+           else torch.optim.Adam(params, lr=0.01))
+    momentum = 0.9 if optim == "sgd" else 0.0
+    g = torch.Generator().manual_seed(7 + comm.Get_rank())  # every rank drifts its own way
+    for _ in range(2 + comm.Get_rank()):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    key = "momentum_buffer" if optim == "sgd" else "exp_avg"
+    mine = [opt.state[p][key].clone() for p in params]
+    roots = comm.bcast(mine, root=0)
+    if comm.Get_rank() == 1:
+        assert any((a - b).abs().max().item() > 0 for a, b in zip(mine, roots, strict=True))
+    broadcast_state(comm, params, opt, optim, momentum, steps_taken=5)
+    for p, want in zip(params, roots, strict=True):
+        assert torch.equal(opt.state[p][key], want)
+    common = torch.Generator().manual_seed(1)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=common)
+    opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    assert torch.equal(flat, comm.bcast(flat, root=0))
+    broadcast_state(comm, params, opt, optim, momentum, steps_taken=0)  # no step yet: no state
+    assert all(not opt.state.get(p) for p in params)
