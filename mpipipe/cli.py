@@ -38,7 +38,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log", metavar="RUN.h5",
-        help="HDF5 run log written by rank 0 (default: runs/<system>-<time>.h5)",
+        help="HDF5 run log, written by rank 0 (under ResPipe by a survivor if rank 0 "
+             "leaves) (default: runs/<system>-<time>.h5)",
     )
     parser.add_argument(
         "--inject", metavar="SPEC", action="append", default=[],
@@ -124,7 +125,7 @@ def start_run(
     if error:
         fail_fast(comm, error, prog, rank)
     if rank != 0:
-        log = RunLog.null(where, start)
+        log = RunLog.null(where, start, system=system)
     progress = Progress(total_steps(cfg), enabled=(rank == 0), quiet=args.quiet,
                         every=cfg["run"].get("log_every", 10), prog=prog)
     return Run(comm, rank, size, cfg, plan, log, progress, args, prog)

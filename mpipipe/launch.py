@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,15 +54,28 @@ def start_mpi(n: int, argv: Sequence[str], *, ulfm: bool = False,
                             start_new_session=True, **popen)
 
 
-def kill_job(job: subprocess.Popen) -> None:
-    """SIGKILL mpirun and every process of its session: killing mpirun alone orphans the ranks."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == job.pid:
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except OSError:  # gone already, or not ours
-                pass
+def kill_job(job: subprocess.Popen, within_s: float = 10.0) -> None:
+    """SIGKILL mpirun and every process of its session: killing mpirun alone orphans the
+    ranks. mpirun goes first, so it starts no more; then the session is swept until
+    it is empty (or ``within_s`` has passed)."""
+    try:
+        job.kill()
+    except OSError:
+        pass
+    give_up = time.monotonic() + within_s
+    while time.monotonic() < give_up:
+        left = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if os.getsid(int(entry.name)) == job.pid:
+                        os.kill(int(entry.name), signal.SIGKILL)
+                        left.append(entry.name)
+                except OSError:  # gone already, or not ours
+                    pass
+        if not left:
+            break
+        time.sleep(0.05)
     job.wait()
 
 
@@ -77,15 +91,21 @@ def run_mpi(
     """Run ``python ARGV`` on ``n`` ranks and capture its output.
 
     Raises:
-        subprocess.TimeoutExpired: the job outlived ``timeout`` (every rank is killed),
-            so a hang fails the caller instead of blocking it or leaving ranks behind.
+        subprocess.TimeoutExpired: the job outlived ``timeout`` (every rank is killed;
+            the exception carries what the job printed), so a hang fails the caller
+            instead of blocking it or leaving ranks behind.
     """
     job = start_mpi(n, argv, ulfm=ulfm, env=env, cwd=cwd, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, text=True)
     try:
         out, err = job.communicate(timeout=timeout)
-    except BaseException:
+    except BaseException as e:
         kill_job(job)
-        job.communicate()
+        try:
+            out, err = job.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process outside the session holds the pipes
+            out, err = "", ""
+        if isinstance(e, subprocess.TimeoutExpired):
+            e.stdout, e.stderr = out, err
         raise
     return subprocess.CompletedProcess(job.args, job.returncode, out, err)

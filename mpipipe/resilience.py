@@ -70,6 +70,7 @@ _ANNOUNCE, _DECISION, _DEMOTED, _END, _FIGS, _FAULT, _EVAL = range(1, 8)
 # On the lobby (the whole job's communicator): a replaced rank asks to come back; the
 # coordinator admits it (the round's decision) or tells it the job is over.
 _REJOIN, _ADMIT, _CLOSED = range(8, 11)
+_RELEASED = 11  # on the lobby: a replaced log writer has closed the file
 _CTL_LEN = 256
 _REASONS = {0: "none", 1: "late", 2: "failed", 3: "revoked", 4: "announced", 5: "rejoin"}
 REJOIN_WAIT_S = 300.0  # how long a replaced rank waits to be admitted or told the job ended
@@ -343,6 +344,7 @@ class ResPipe:
         self.gen = 0
         self.log_w = 0  # world rank writing the log: rank 0 opened it; it moves if 0 leaves
         self.recent_figs: deque[list[float]] = deque(maxlen=3)  # this rank's, for a new writer
+        self._rebuilt: dict[int, list[int]] = {}  # new writer: step -> ranks resending figures
         data = self.world.Dup()
         data.Set_errhandler(MPI.ERRORS_RETURN)
         ctl = data.Dup()
@@ -505,9 +507,9 @@ class ResPipe:
         if fault.kind == "kill":
             time.sleep(0.01)  # let the note leave before the process dies
 
-    def _drain_fault_notes(self, writer: bool = False) -> None:
+    def _drain_fault_notes(self, new_writer: bool = False) -> None:
         """The log writer (or the rank about to become it) reads the fault notes."""
-        if not (self.is_logger or writer):
+        if not (self.is_logger or new_writer):
             return
         for w in self.members:
             if w == self.wrank:
@@ -518,6 +520,10 @@ class ResPipe:
                 spec = next((str(f) for f in self.settings.faults
                              if f.targets(stage=self._launch_stage(w), rank=w)
                              and (f.kind == "delay" or f.step == step)), "?")
+                if new_writer and step < self.done - 1:
+                    # an older fault of the old writer (a stall it survived): not this one
+                    msg = self.control.poll(_FAULT, self._drank(w), seq=w)
+                    continue
                 self.fault_notes[w] = (t, spec)
                 if len(msg) < 4 or not msg[3]:  # the old writer logged its own
                     self._log_event("fault_injected", step, w, fault=spec, at=t)
@@ -575,7 +581,7 @@ class ResPipe:
                 except _RoundStarted as e:
                     self._recover(e.round)
             except Demoted as e:
-                self._leave_log()
+                self._leave_log(e.generation)
                 if not self._rejoin(e):
                     raise
         self._finish()
@@ -830,9 +836,11 @@ class ResPipe:
 
     def _collect_figs(self, s: int, wait_s: float, alive: Sequence[int] | None = None) -> None:
         row = self.pending_rows[s]
-        if s < self._gen_step:
+        rebuilt = self._rebuilt.get(s)  # a new writer's row of a step before its round
+        if s < self._gen_step and rebuilt is None:
             return  # collected before the route changed (figures travel per generation)
-        want = [w for w in self.route_w if w != self.wrank and (alive is None or w in alive)]
+        want = rebuilt if rebuilt is not None else \
+            [w for w in self.route_w if w != self.wrank and (alive is None or w in alive)]
         end = time.perf_counter() + wait_s
         while True:
             for w in want:
@@ -852,6 +860,7 @@ class ResPipe:
     def _write_row(self, s: int) -> None:
         self._collect_figs(s, 0.5)
         row = self.pending_rows.pop(s)
+        self._rebuilt.pop(s, None)
         prev, self._last_row_time = self._last_row_time, row.time
         dt = row.time - prev if prev is not None else (
             statistics.median(self.step_times) if self.step_times else math.nan)
@@ -1178,9 +1187,11 @@ class ResPipe:
             backups[admit_stage].append(admit)
             members = sorted([*members, admit])
         # The log's writer stays unless it left; then the lowest surviving stage writes it
-        # (a stage: it reports every step, and collects the other stages' figures).
+        # (a stage before this round: it has its own figures of the steps before P, and
+        # reports every step after).
         log_w = self.log_w if self.log_w in members else \
-            min([w for w in route if w in members] or members)
+            min([w for w in self.route_w if w in members]
+                or [w for w in route if w in members] or members)
         return read_decision(encode_decision({
             "gen": self.gen + 1, "P": P, "lost_stage": lost_stage, "merge": merge,
             "shrink": shrink, "reason": reason,
@@ -1233,14 +1244,14 @@ class ResPipe:
         if self.wrank == d["log"]:
             # Fault notes and figures of steps before the round travel on the old control
             # communicator: read them before leaving it.
-            self._drain_fault_notes(writer=True)
+            self._drain_fault_notes(new_writer=d["log"] != self.log_w)
             for s in sorted(self.pending_rows):
                 self._collect_figs(s, 0.2, alive=d["members"])
         self.data, self.control, self.members = new, _Control(ctl), members_new
         self.gen = d["gen"]
         P = d["P"]
         self._gen_step = P
-        self._move_log(d["log"], P)
+        self._move_log(d, P)
         stage_before = {k: w for k, w in enumerate(self.route_w)}
         if d["lost_stage"] >= 0:
             k = d["lost_stage"]
@@ -1304,41 +1315,66 @@ class ResPipe:
         if _DEBUG:
             self._say(f"applied at {time.time() % 100:.3f}")
 
-    def _move_log(self, log_w: int, P: int) -> None:
-        """Take the log over if the round made this rank its writer.
+    def _move_log(self, d: Mapping[str, Any], P: int) -> None:
+        """Hand the log to the writer the round named, if it changed.
 
-        The rows of the steps before P that the old writer had not written yet are
-        rebuilt from this rank's own figures (the others' went to the old writer);
-        rows the old writer did write are kept once (RunLog.take_over).
+        The rows of the steps before P that the old writer had not written are
+        rebuilt by the new one: every stage of the old route sends it its figures of
+        those steps again (the loss comes from the last stage's). Rows the old writer
+        did write are kept once (RunLog.take_over). The new writer opens the file only
+        once the old one is dead (shrunk away) or has said it let go.
         """
-        old, self.log_w = self.log_w, log_w
-        if log_w == old or log_w != self.wrank:
+        old, self.log_w = self.log_w, d["log"]
+        if self.log_w == old:
+            return
+        senders = [w for w in self.route_w if w in self.members and w != self.log_w]
+        if self.log_w != self.wrank:
+            if self.wrank in senders:
+                for figs in self.recent_figs:
+                    if int(figs[0]) < P:
+                        self.control.send(_FIGS, self._drank(self.log_w), figs,
+                                          seq=int(figs[0]))
             return
         if self.log is not None:
+            dead = bool(d["shrink"])  # the ranks a shrink leaves out had failed
+            released = [False]
+
+            def let_go() -> bool:
+                released[0] = released[0] or \
+                    self.lobby.poll(_RELEASED, old, seq=d["gen"]) is not None
+                return released[0]
+
             try:
-                self.log.take_over()
+                self.log.take_over(None if dead else let_go)
             except LogError as e:  # the file was replaced or lost: train on, and say so
                 print(f"mpipipe train: error: rank {self.wrank} cannot take the run log over: "
                       f"{e}; training goes on without a log", file=sys.stderr, flush=True)
         if self.progress is not None:
             self.progress.enabled = True
-        self.pending_rows = {}
+        self.pending_rows, self._rebuilt = {}, {}
         for figs in self.recent_figs:
             s = int(figs[0])
             if s < P:
                 row = _Row(s, figs[1], figs[2], self.batch_size)
                 row.ranks[self.wrank] = self._fig_dict(figs)
                 self.pending_rows[s] = row
+                self._rebuilt[s] = senders
         self._log_event("log_writer_moved", P, self.wrank, previous=old,
                         why="the previous writer left the job (failed or replaced)")
         if self.progress is not None:
-            self.progress.message(f"rank {self.wrank} writes the log from step {P + 1} on "
-                                  f"(rank {old} left the job)")
+            self.progress.message(f"rank {self.wrank} writes the log now (rank {old} left "
+                                  "the job)")
 
-    def _leave_log(self) -> None:
-        """A replaced writer lets go of the file (the new writer waits for it)."""
-        if self.log is not None and self.log.active:
-            self.log.release()
+    def _leave_log(self, generation: int) -> None:
+        """A writer replaced at ``generation`` lets go of the file and tells the job (the
+        new writer waits for that: HDF5's own lock may be off)."""
+        if self.log is None or not self.log.active:
+            return
+        self.log.release()
+        for w in range(self.world.Get_size()):
+            if w != self.wrank:
+                self.lobby.send(_RELEASED, w, [generation], seq=generation)
+        self.lobby.drain(1.0)
         if self.progress is not None:
             self.progress.enabled = False
 

@@ -95,7 +95,11 @@ def _record(method: _Method) -> _Method:
     @wraps(method)
     def write(self: RunLog, *args: Any, **kwargs: Any) -> None:
         if self._file is None and self._queue is not None:
-            self._try_open()
+            try:
+                self._try_open()
+            except LogError as e:  # a late open failed: say so once, train on
+                print(f"mpipipe: error: {e}", file=sys.stderr, flush=True)
+                return
         if self._file is not None:
             method(self, *args, **kwargs)
         elif self._queue is not None:
@@ -111,11 +115,21 @@ def _record(method: _Method) -> _Method:
     return write  # type: ignore[return-value]
 
 
+def _trim(group: h5py.Group) -> None:
+    """Cut the parallel datasets of ``group`` to the rows every one of them has."""
+    lengths = [ds.shape[0] for ds in group.values() if isinstance(ds, h5py.Dataset)]
+    if lengths and min(lengths) != max(lengths):
+        for ds in group.values():
+            if isinstance(ds, h5py.Dataset):
+                ds.resize((min(lengths),))
+
+
 class RunLog:
     """Writer of one run's HDF5 log. Create it on rank 0; other ranks use :meth:`null`."""
 
     _queue: list[tuple[Callable[..., None], tuple, dict]] | None = None  # taken over, not open
     _written_through: int | None = None  # taken over: the last step row the file had
+    _ready: Callable[[], bool] | None = None  # taken over: has the previous writer let go?
 
     def __init__(
         self,
@@ -153,7 +167,8 @@ class RunLog:
         f.flush()
 
     @classmethod
-    def null(cls, path: str | Path | None = None, start: float | None = None) -> RunLog:
+    def null(cls, path: str | Path | None = None, start: float | None = None,
+             system: str = "mpipipe") -> RunLog:
         """A log that writes nothing: what ranks other than 0 hold.
 
         Given the file and the writer's start time (``start_unix``), the rank can
@@ -163,6 +178,7 @@ class RunLog:
         obj._file = None
         obj._t0 = time.time() if start is None else start
         obj.path = None if path is None else Path(path)  # type: ignore[assignment]
+        obj._system = system
         return obj
 
     @property
@@ -170,11 +186,15 @@ class RunLog:
         """Whether this rank is the writer (its records reach the file, now or later)."""
         return self._file is not None or self._queue is not None
 
-    def take_over(self) -> None:
+    def take_over(self, ready: Callable[[], bool] | None = None) -> None:
         """Make this rank the writer of the log that rank 0 created.
 
-        Opens the file for appending now, or, while the previous writer still holds
-        it (replaced but alive), at a later record: records wait in order until then.
+        Opens the file for appending once ``ready()`` says the previous writer has let
+        go (``None``: it is dead) and HDF5's lock is free, at the first record after
+        that; records wait in order, with their own times, until then. Why both: HDF5's
+        lock is off on many parallel file systems (HDF5_USE_FILE_LOCKING=FALSE), and a
+        replaced writer still holding the file open would overwrite our rows when it
+        closes.
 
         Raises:
             LogError: this log does not know its file, or the file is not a run log.
@@ -183,37 +203,52 @@ class RunLog:
             return
         if self.path is None:
             raise LogError("this rank's log does not know the run's file; cannot take it over")
-        self._queue = []
+        self._queue, self._ready = [], ready
         self._next_open = 0.0
         self._try_open()
 
     def release(self) -> None:
-        """Close the file without marking the run finished: another rank writes it now."""
+        """Close the file without marking the run finished: another rank writes it now.
+
+        Records still waiting for the file (it never opened) go to a side file."""
         if self._file is not None:
             self._file.close()
+        elif self._queue:
+            self._spill("released: another rank writes the run log now", "running")
         self._file, self._queue = None, None
 
     def _try_open(self, wait_s: float = 0.0) -> bool:
-        """Open a taken-over log (retrying for ``wait_s``) and write what waited."""
+        """Open a taken-over log (retrying for ``wait_s``) and write what waited.
+
+        Raises:
+            LogError: the file is gone, damaged or not a run log (the records waiting
+                are written to a side file first).
+        """
         give_up = time.monotonic() + wait_s
         while self._file is None:
             now = time.monotonic()
             if now >= self._next_open:
-                try:
-                    f = h5py.File(self.path, "a")
-                except BlockingIOError:  # the previous writer still holds the lock
-                    self._next_open = now + RETRY_OPEN_S
-                else:
-                    if f.attrs.get("format") != FORMAT:
-                        f.close()
-                        self._queue = None
-                        raise LogError(f"{self.path}: not an mpipipe run log; will not "
-                                       "write into it")
-                    self._file = f
-                    break
+                self._next_open = now + RETRY_OPEN_S
+                if self._ready is None or self._ready():
+                    self._ready = None  # once let go, always
+                    try:
+                        f = h5py.File(self.path, "r+")  # never create: a missing file is an error
+                    except BlockingIOError:  # the previous writer still holds the lock
+                        f = None
+                    except OSError as e:
+                        raise self._cannot(f"cannot open it ({e})") from None
+                    if f is not None:
+                        if f.attrs.get("format") != FORMAT:
+                            f.close()
+                            raise self._cannot("not an mpipipe run log; will not write into it")
+                        self._file = f
+                        break
             if now >= give_up:
                 return False
             time.sleep(min(RETRY_OPEN_S, max(give_up - now, 0.0)))
+        for group in (self._file["steps"], self._file["eval"], self._file["events"],
+                      *self._file["ranks"].values()):
+            _trim(group)  # a writer killed between two columns leaves them uneven
         steps = self._file["steps"]
         # Rows of steps the previous writer got to write are kept once (its, not ours).
         self._written_through = int(steps["step"][-1]) if "step" in steps and \
@@ -222,6 +257,34 @@ class RunLog:
         for method, args, kwargs in queue:
             method(self, *args, **kwargs)
         return True
+
+    def _cannot(self, why: str, status: str = "running") -> LogError:
+        """Give up on the file: spill what waited, stop writing, and say where it went."""
+        spilled = self._spill(why, status) if self._queue or status != "running" else None
+        self._queue = None
+        where = f"; {len(spilled[1])} waiting records are in {spilled[0]}" if spilled else ""
+        return LogError(f"{self.path}: {why}{where}")
+
+    def _spill(self, why: str, status: str) -> tuple[Path, list] | None:
+        """Write the waiting records to ``<log>.tail.h5``, a run log of its own (same time
+        axis, run ``status``), so that nothing this rank recorded is lost. None if that
+        failed too."""
+        queue = self._queue or []
+        tail = self.path.with_name(self.path.stem + ".tail.h5")
+        try:
+            side = RunLog(tail, system=getattr(self, "_system", "mpipipe"), config={},
+                          comm_size=0, attrs={"continues": str(self.path), "why": why})
+            side._t0 = self._t0
+            assert side._file is not None
+            side._file.attrs["start_unix"] = self._t0
+            for method, args, kwargs in queue:
+                method(side, *args, **kwargs)
+            side.close(status)
+        except (OSError, LogError) as e:
+            print(f"mpipipe: error: {len(queue)} log records lost: cannot write {tail}: {e}",
+                  file=sys.stderr, flush=True)
+            return None
+        return tail, queue
 
     @property
     def start(self) -> float:
@@ -314,13 +377,12 @@ class RunLog:
         A writer that took over waits up to ``wait_s`` for the previous one to let go.
 
         Raises:
-            LogError: the file stayed locked by another process: nothing waiting was written.
+            LogError: the previous writer never let go, or the file could not be opened;
+                the records that waited, and the status, are in ``<log>.tail.h5``.
         """
         if self._file is None and self._queue is not None and not self._try_open(wait_s):
-            waiting = len(self._queue)
-            self._queue = None
-            raise LogError(f"{self.path}: still locked by the run's previous log writer after "
-                           f"{wait_s:.0f} s; {waiting} records of this run were not written")
+            raise self._cannot(f"still held by the run's previous log writer after "
+                               f"{wait_s:.0f} s", status=status)
         if self._file is None:
             return
         self._file.attrs["status"] = status

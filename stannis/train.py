@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import replace
@@ -686,4 +687,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {e}", flush=True)
         return 1
     run.log.close()
+    if len(trainer.members) < run.size:
+        # A CSD was dropped: under ULFM, MPI_Finalize runs an agreement over the whole
+        # world, which was seen to wait for the dead rank now and then (as in ResPipe).
+        # Everything is written and closed by now: leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -200,7 +200,6 @@ def _hold(path, seconds: float):
 
 @pytest.mark.timeout(60)
 def test_a_new_writer_waits_for_a_replaced_one_and_keeps_each_records_time(tmp_path):
-    import time
 
     path = tmp_path / "run.h5"
     writer = RunLog(path, system="mpipipe", config={}, comm_size=2)
@@ -218,16 +217,53 @@ def test_a_new_writer_waits_for_a_replaced_one_and_keeps_each_records_time(tmp_p
     assert list(run.steps["step"]) == [1, 2] and run.attrs["status"] == "completed"
     assert abs(run.events_of("takeover")[0]["time"] - made_at) < 0.5  # not when written
     assert run.steps["time"][1] < made_at + 0.5
-    # a writer that stays locked out says so and names the file
+    # a writer that stays locked out says so, and its records go to a side file
     holder = _hold(path, 30)
-    late = RunLog.null(path, time.time())
+    late = RunLog.null(path, writer.start)
     late.take_over()
     late.event("x", step=0)
-    with pytest.raises(LogError, match="still locked"):
+    with pytest.raises(LogError, match=r"still held .* 1 waiting records are in .*run\.tail\.h5"):
         late.close("completed", wait_s=0.5)
     holder.kill()
     holder.wait()
     assert open_log(path).attrs["status"] == "completed"  # untouched
+    tail = open_log(tmp_path / "run.tail.h5")
+    assert tail.attrs["status"] == "completed" and tail.attrs["continues"] == str(path)
+    assert [e["kind"] for e in tail.events] == ["x"]
+
+
+def test_a_new_writer_opens_only_once_the_old_one_says_it_let_go(tmp_path):
+    # HDF5's lock is off on many parallel file systems: the hand-off must not need it.
+    path = tmp_path / "run.h5"
+    writer = RunLog(path, system="mpipipe", config={}, comm_size=2)
+    writer.release()
+    let_go = [False]
+    survivor = RunLog.null(path, writer.start)
+    survivor.take_over(lambda: let_go[0])
+    survivor.event("waiting", step=1)
+    assert survivor._file is None  # not opened while the old writer may still write
+    let_go[0] = True
+    survivor.close("completed")
+    run = open_log(path)
+    assert [e["kind"] for e in run.events] == ["waiting"] and run.attrs["status"] == "completed"
+
+
+def test_taking_over_cuts_a_row_the_killed_writer_left_half_written(tmp_path):
+    path = tmp_path / "run.h5"
+    writer = RunLog(path, system="mpipipe", config={}, comm_size=2)
+    for s in (1, 2):
+        writer.step(s, loss=float(s), samples=4, samples_per_s=1.0)
+    writer.release()
+    with h5py.File(path, "a") as f:  # killed after the step column grew, before the rest
+        f["steps/step"].resize((3,))
+        f["steps/step"][2] = 3
+    survivor = RunLog.null(path, writer.start)
+    survivor.take_over()
+    survivor.step(3, loss=3.0, samples=4, samples_per_s=1.0)
+    survivor.close()
+    run = open_log(path)
+    assert list(run.steps["step"]) == [1, 2, 3] and list(run.steps["loss"]) == [1.0, 2.0, 3.0]
+    assert list(run.steps["samples"]) == [4, 4, 4]
 
 
 def test_taking_over_a_foreign_file_or_without_a_path_is_refused(tmp_path):
@@ -237,6 +273,9 @@ def test_taking_over_a_foreign_file_or_without_a_path_is_refused(tmp_path):
         RunLog.null(tmp_path / "foreign.h5", 0.0).take_over()
     with pytest.raises(LogError, match="does not know the run's file"):
         RunLog.null().take_over()
+    with pytest.raises(LogError, match="cannot open it"):  # gone: not created anew
+        RunLog.null(tmp_path / "gone.h5", 0.0).take_over()
+    assert not (tmp_path / "gone.h5").exists()
 
 
 def test_open_log_rejects_foreign_and_damaged_files(tmp_path):

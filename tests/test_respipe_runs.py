@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,10 +188,31 @@ def test_the_log_moves_to_a_survivor_when_its_writer_is_killed_or_replaced(runs,
     assert list(run.steps["step"]) == list(range(1, STEPS + 1))
     assert run.steps["samples"].sum() == STEPS * BATCH
     assert "summary" in run.attrs
+    # the rows the old writer had not written were rebuilt from every surviving
+    # stage's figures: the loss (the last stage's) and their per-rank rows are there
+    assert np.isfinite(run.steps["loss"]).all(), run.steps["loss"]
+    for rank in (1, 2):
+        assert list(run.ranks[rank]["step"]) == list(range(1, STEPS + 1)), rank
     # Failure-free arithmetic (where the backup sits does not change it).
     for got, want in zip(_params(ckpt), _params(clean_ckpt), strict=True):
         for key in want:
             assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
+
+
+@pytest.mark.timeout(300)
+def test_a_backup_below_the_stages_does_not_become_the_writer(runs):
+    # The backup of stage 0 is rank 1: it is promoted in the same round that loses the
+    # writer, and has no figures of the steps before; the writer is rank 2 (stage 1).
+    plan = ("plan.stage 0=0", "plan.backup 0=1", "plan.stage 1=2", "plan.stage 2=3")
+    result, log, _ = runs("writer-low-backup", 4, "resilience.backups={0 = 1}", *plan,
+                          "resilience.replicate_every=1", "inject:kill:stage=0:step=7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = _open(log)
+    assert [(e["rank"], e["detail"]["previous"]) for e in run.events_of("log_writer_moved")] \
+        == [(2, 0)]
+    assert list(run.steps["step"]) == list(range(1, STEPS + 1))
+    assert run.steps["samples"].sum() == STEPS * BATCH
+    assert np.isfinite(run.steps["loss"]).all()
 
 
 @pytest.mark.timeout(300)
