@@ -50,6 +50,10 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "retune_every": 5,  # share step times every N steps
         "imbalance_threshold": 0.25,  # re-tune when 1 - min/max step time exceeds this
         "min_gain": 0.1,  # ...and the new batches promise at least this relative gain
+        # once more after a re-tune for a rank that changed speed, at these (the first
+        # move is planned from steps of another plan; 0: no settling re-tune)
+        "settle_threshold": 0.1,
+        "settle_min_gain": 0.03,
         "max_oversample": 2.0,  # a rank's batch share <= this x its share of the records (0: off)
         "bucket_bytes": 4194304,  # gradient bytes per Iallreduce bucket
         "inject": [],  # fault specs, as with --inject (target ranks: rank=R)
@@ -146,6 +150,9 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
                         f"a sample; need at least {1 + n}")
     if s["retune_every"] < 1:
         raise PlanError("stannis.retune_every must be >= 1")
+    if not 0.0 <= s["settle_threshold"] < 1.0 or s["settle_min_gain"] < 0:
+        raise PlanError("stannis.settle_threshold must be an imbalance in [0, 1) (0: no "
+                        "settling re-tune) and stannis.settle_min_gain a gain >= 0")
     if s["max_oversample"] != 0 and s["max_oversample"] < 1:
         raise PlanError(f"stannis.max_oversample = {s['max_oversample']}: use 0 (no cap) or a "
                         "factor >= 1 (a rank's batch share over its share of the records)")

@@ -163,6 +163,7 @@ class Trainer:
         self.window: dict[int, deque[tuple[int, float]]] = {}
         self.last_change: list[int] = []
         self.last_change_step = 0
+        self.settling = False  # host: check once more, at the settle bar, at the next turn
         self.dropped_pending: list[int] = []
         self._cycle: float | None = None  # end of the last gradient exchange
         self._post = (math.nan,) * len(LATE_FIGURES)  # last step's late figures, sent next
@@ -357,7 +358,15 @@ class Trainer:
         observed = [float(np.median(times)) for times in at_plan]
         level = imbalance([t if b > 0 else 0.0 for t, b in zip(observed, self.batches,
                                                                    strict=True)])
-        if level <= s["imbalance_threshold"]:
+        # Settling: the move for a rank that changed speed was planned from steps
+        # timed under the old plan; the first check on steps of the new one may fix
+        # what that left (once, at a lower bar, so the tuner cannot flap).
+        settling, self.settling = self.settling, False
+        threshold, min_gain = s["imbalance_threshold"], s["min_gain"]
+        if settling and s["settle_threshold"] > 0:
+            threshold = min(threshold, s["settle_threshold"])
+            min_gain = min(min_gain, s["settle_min_gain"])
+        if level <= threshold:
             return
         models = [self.profiles[r] for r in self.members]
         factors = scale_factors(models, self.batches, observed)
@@ -370,11 +379,15 @@ class Trainer:
         better = gain(current, candidate, s["objective"], s["mix_weight"])
         for r in self.members:
             self.window[r].clear()  # judge the next decision on fresh steps only
-        if better <= s["min_gain"]:
+        if better <= min_gain:
             return
         target = candidate.batches
         change = [t - b for t, b in zip(target, self.batches, strict=True)]
-        reason = f"imbalance {level:.2f} > {s['imbalance_threshold']}, predicted gain {better:.0%}"
+        reason = f"imbalance {level:.2f} > {threshold}, predicted gain {better:.0%}"
+        if settling:
+            reason += ", settling"
+        else:
+            self.settling = sudden(factors)
         recent = self.step - self.last_change_step <= 2 * s["retune_every"]
         reverses = any(c * p < 0 for c, p in zip(change, self.last_change, strict=False))
         if recent and reverses and not sudden(factors):

@@ -264,3 +264,66 @@ def test_a_rank_that_changed_speed_is_sudden_noise_is_not() -> None:
     assert sudden(factors)  # a `slow:factor=2` fault looks like this
     assert not sudden([1.1, 0.9, 1.3])  # a misfit or a noisy window
     assert sudden([1.0, 0.6])  # interference that ended: the rank is faster than modelled
+
+
+class _Events:
+    """What the trainer logs and prints, kept for the test."""
+
+    def __init__(self) -> None:
+        self.retunes: list[dict] = []
+        self.progress = self
+
+    def event(self, kind: str, **detail) -> None:
+        if kind == "retune":
+            self.retunes.append(detail)
+
+    def message(self, text: str) -> None:
+        pass
+
+
+def _trainer_host(settle_threshold: float):
+    """The host's tuning state of a Trainer, without MPI: 1 host + 4 CSDs at 1/8."""
+    from collections import deque
+
+    from stannis.config import STANNIS_DEFAULTS
+    from stannis.train import Trainer
+
+    tr = Trainer.__new__(Trainer)
+    tr.cfg = {"stannis": dict(STANNIS_DEFAULTS["stannis"], global_batch=256, max_oversample=0,
+                              settle_threshold=settle_threshold)}
+    tr.members = [0, 1, 2, 3, 4]
+    tr.records = dict.fromkeys(tr.members, 10_000)
+    tr.profiles = {r: RankProfile(HOST if r == 0 else CSD, 1000) for r in tr.members}
+    tr.batches = list(tune(list(tr.profiles.values()), 256).batches)
+    tr.window = {r: deque(maxlen=5) for r in tr.members}
+    tr.step, tr.last_change, tr.last_change_step, tr.settling = 0, [], 0, False
+    tr.log = tr.run = _Events()
+    return tr
+
+
+def _turn(tr, true: dict[int, StepModel]) -> None:
+    """Five steps timed with the ranks' true speeds, then the tuner's check."""
+    for _ in range(5):
+        for r, b in zip(tr.members, tr.batches, strict=True):
+            tr.window[r].append((b, true[r].time(b)))
+    tr.step += 5
+    tr._maybe_retune()
+
+
+@pytest.mark.parametrize("settle_threshold", [0.1, 0.0])
+def test_after_a_speed_change_the_tuner_settles_once_at_the_lower_bar(settle_threshold):
+    tr = _trainer_host(settle_threshold)
+    slow = {0: HOST, 1: CSD, 2: StepModel(0.0, 0.016), 3: CSD, 4: CSD}  # CSD 2 at half speed
+    _turn(tr, slow)
+    assert len(tr.log.retunes) == 1
+    assert "settling" not in tr.log.retunes[0]["reason"]
+    # The move was planned from the old plan's steps; now the host also runs 15% slower
+    # than its model said: an imbalance under the usual bar, over the settle bar.
+    slower = {**slow, 0: StepModel(0.0, 0.00115)}
+    _turn(tr, slower)
+    settled = [e for e in tr.log.retunes if "settling" in e["reason"]]
+    assert len(settled) == (1 if settle_threshold else 0)
+    # Once only: the same kind of residual imbalance later leaves the plan alone.
+    n = len(tr.log.retunes)
+    _turn(tr, {**slower, 0: StepModel(0.0, 0.00132)})
+    assert len(tr.log.retunes) == n
