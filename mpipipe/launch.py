@@ -60,7 +60,8 @@ def kill_job(job: subprocess.Popen, within_s: float = 10.0) -> None:
     it is empty (or ``within_s`` has passed)."""
     try:
         job.kill()
-    except OSError:
+        job.wait(5)  # reaped: a zombie mpirun would look alive to the sweep
+    except (OSError, subprocess.TimeoutExpired):
         pass
     give_up = time.monotonic() + within_s
     while time.monotonic() < give_up:
@@ -68,10 +69,13 @@ def kill_job(job: subprocess.Popen, within_s: float = 10.0) -> None:
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
+                    stat = (entry / "stat").read_text()
+                    if stat[stat.rindex(")") + 2] == "Z":
+                        continue  # dead, waiting for its parent to reap it
                     if os.getsid(int(entry.name)) == job.pid:
                         os.kill(int(entry.name), signal.SIGKILL)
                         left.append(entry.name)
-                except OSError:  # gone already, or not ours
+                except (OSError, ValueError, IndexError):  # gone already, or not ours
                     pass
         if not left:
             break

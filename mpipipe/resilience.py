@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from . import ft
+from .checkpoint import CheckpointError
 from .costmodel import predict, stage_shapes
 from .inject import Fault, FaultPlan
 from .lr import set_rate_for_step
@@ -411,11 +412,15 @@ class ResPipe:
         held = [self.shadowing] if self.shadowing is not None else list(self.wards)
         for k in owned + held:
             state = load(k)
-            self.pipe.partitions[k].load_state_dict(state.params)
             params = self._params(k)
             opt = self.optimizer if k == self.stage else self.make_optimizer(params)
-            if state.optimizer and isinstance(opt, torch.optim.Optimizer):
-                opt.load_state_dict(state.optimizer)
+            try:
+                self.pipe.partitions[k].load_state_dict(state.params)
+                if state.optimizer and isinstance(opt, torch.optim.Optimizer):
+                    opt.load_state_dict(state.optimizer)
+            except (RuntimeError, ValueError, KeyError) as e:
+                raise CheckpointError(f"the checkpoint of stage {k} does not fit this model "
+                                      f"and optimizer: {e}") from None
             if k in held:
                 slot = _Slot(pack_state(params, opt, self.optim, self.momentum), step)
                 if self.stage is not None:
@@ -816,6 +821,9 @@ class ResPipe:
 
     # -- per-step figures and the log ------------------------------------------------
     def _report(self, s: int, figs: list[float]) -> None:
+        # a replayed step's figures replace those of its rolled-back run
+        while self.recent_figs and int(self.recent_figs[-1][0]) >= s:
+            self.recent_figs.pop()
         self.recent_figs.append(figs)
         if not self.is_logger:
             self.control.send(_FIGS, self._drank(self._logger_w()), figs, seq=s)
@@ -1205,6 +1213,7 @@ class ResPipe:
         old_data, old_ctl = self.data, self.control.comm
         gone = [w for w in self.members if w not in d["members"]]
         new = None
+        self._shrunk = bool(d["shrink"])  # the ranks a shrink leaves out had failed
         # An admitted rank is not on this generation's communicator: build from the lobby.
         parent = made_from = self.lobby.comm if d["admit"] >= 0 else old_ctl
         if not d["shrink"]:
@@ -1221,6 +1230,7 @@ class ResPipe:
             group.Free()
         if new is None:
             new, made_from = ft.shrink(old_ctl), old_ctl
+            self._shrunk = True
         ctl = new.Dup()
         ctl.Set_errhandler(MPI.ERRORS_RETURN)
         old_group = made_from.Get_group()
@@ -1336,12 +1346,15 @@ class ResPipe:
                                           seq=int(figs[0]))
             return
         if self.log is not None:
-            dead = bool(d["shrink"])  # the ranks a shrink leaves out had failed
+            dead = self._shrunk
             released = [False]
 
             def let_go() -> bool:
+                # Replaced alive: it says so once it closed the file. Found late but in
+                # fact dead (a deadline fired before ULFM reported it): ULFM knows later.
                 released[0] = released[0] or \
-                    self.lobby.poll(_RELEASED, old, seq=d["gen"]) is not None
+                    self.lobby.poll(_RELEASED, old, seq=d["gen"]) is not None or \
+                    (self.ulfm and old in ft.failed_ranks(self.lobby.comm))
                 return released[0]
 
             try:

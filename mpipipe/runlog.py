@@ -271,10 +271,21 @@ class RunLog:
         failed too."""
         queue = self._queue or []
         tail = self.path.with_name(self.path.stem + ".tail.h5")
+        n = 2
+        while tail.exists():  # an earlier spill of this run stays as it is
+            tail = self.path.with_name(f"{self.path.stem}.tail-{n}.h5")
+            n += 1
+        through = None
+        try:  # rows the main file has already (best effort: it may be locked)
+            with h5py.File(self.path, "r") as f:
+                through = int(f["steps/step"][-1]) if len(f["steps/step"]) else -1
+        except (OSError, KeyError, IndexError):
+            pass
         try:
             side = RunLog(tail, system=getattr(self, "_system", "mpipipe"), config={},
                           comm_size=0, attrs={"continues": str(self.path), "why": why})
             side._t0 = self._t0
+            side._written_through = through  # a row goes to one of the two files only
             assert side._file is not None
             side._file.attrs["start_unix"] = self._t0
             for method, args, kwargs in queue:

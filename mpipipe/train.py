@@ -201,18 +201,24 @@ def setup(run: Run) -> Setup:
                                               seed=cfg["run"]["seed"],
                                               shuffle=cfg["data"]["shuffle"],
                                               drop_last=cfg["data"]["drop_last"])
+    error = None
     if state is not None:
         assert pipe.stage_module is not None
-        pipe.stage_module.load_state_dict(state.params)
-        if optimizer is not None and state.optimizer:
-            optimizer.load_state_dict(state.optimizer)
-        if setup_.train_data is not None:
-            if state.sampler[0] >= 0:
-                setup_.train_data.seek(*state.sampler)
-            else:  # ResPipe's checkpoints: its readers are positioned by the step alone
-                setup_.train_data.seek_batch(state.step)
+        try:
+            pipe.stage_module.load_state_dict(state.params)
+            if optimizer is not None and state.optimizer:
+                optimizer.load_state_dict(state.optimizer)
+            if setup_.train_data is not None:
+                if state.sampler[0] >= 0:
+                    setup_.train_data.seek(*state.sampler)
+                else:  # ResPipe's checkpoints: its readers are positioned by the step alone
+                    setup_.train_data.seek_batch(state.step)
+        except (RuntimeError, ValueError, KeyError) as e:
+            error = (f"the checkpoint of stage {my_stage} in {run.args.resume} does not fit "
+                     f"this model and optimizer (was it written with another config?): {e}")
         pipe.eval_count = state.eval_count
     if run.args.resume:
+        agree(run, error)  # every rank stops with the same line, none waits for another
         setup_.start_step = comm.bcast(state.step if state is not None else None,
                                        root=route.ranks[0])
         pipe.step_count = setup_.start_step
