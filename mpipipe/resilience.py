@@ -343,7 +343,7 @@ class ResPipe:
         self.batch_size = int(cfg["data"]["batch_size"])
         self.ulfm = ft.ulfm_enabled()
         self.gen = 0
-        self.log_w = 0  # world rank writing the log: rank 0 opened it; it moves if 0 leaves
+        self.log_w = 0  # world rank writing the log: rank 0 opened it; a round moves it
         self.recent_figs: deque[list[float]] = deque(maxlen=3)  # this rank's, for a new writer
         self._rebuilt: dict[int, list[int]] = {}  # new writer: step -> ranks resending figures
         data = self.world.Dup()
@@ -507,7 +507,7 @@ class ResPipe:
                         self.control.send(_FAULT, self._drank(w), [now, step, self.wrank, 1],
                                           seq=self.wrank)
         else:
-            self.control.send(_FAULT, self._drank(self._logger_w()), [now, step, self.wrank, 0],
+            self.control.send(_FAULT, self._drank(self.log_w), [now, step, self.wrank, 0],
                               seq=self.wrank)
         if fault.kind == "kill":
             time.sleep(0.01)  # let the note leave before the process dies
@@ -525,18 +525,12 @@ class ResPipe:
                 spec = next((str(f) for f in self.settings.faults
                              if f.targets(stage=self._launch_stage(w), rank=w)
                              and (f.kind == "delay" or f.step == step)), "?")
-                if new_writer and step < self.done - 1:
-                    # an older fault of the old writer (a stall it survived): not this one
-                    msg = self.control.poll(_FAULT, self._drank(w), seq=w)
-                    continue
-                self.fault_notes[w] = (t, spec)
-                if len(msg) < 4 or not msg[3]:  # the old writer logged its own
-                    self._log_event("fault_injected", step, w, fault=spec, at=t)
+                # A new writer skips older faults of the old one (a stall it survived).
+                if not (new_writer and step < self.done - 1):
+                    self.fault_notes[w] = (t, spec)
+                    if len(msg) < 4 or not msg[3]:  # the old writer logged its own
+                        self._log_event("fault_injected", step, w, fault=spec, at=t)
                 msg = self.control.poll(_FAULT, self._drank(w), seq=w)
-
-    def _logger_w(self) -> int:
-        """World rank of the log writer (rank 0 until a round moves it)."""
-        return self.log_w
 
     def _rel(self, t_abs: float) -> float | None:
         """A wall-clock time as seconds since the log opened (the log's time column)."""
@@ -826,7 +820,7 @@ class ResPipe:
             self.recent_figs.pop()
         self.recent_figs.append(figs)
         if not self.is_logger:
-            self.control.send(_FIGS, self._drank(self._logger_w()), figs, seq=s)
+            self.control.send(_FIGS, self._drank(self.log_w), figs, seq=s)
             return
         row = self.pending_rows.get(s) or _Row(s, figs[1], figs[2], self.batch_size)
         row.ranks[self.wrank] = self._fig_dict(figs)
@@ -902,7 +896,7 @@ class ResPipe:
             if self.is_logger:
                 self._log_eval(self.done, acc)
             else:
-                self.control.send(_EVAL, self._drank(self._logger_w()),
+                self.control.send(_EVAL, self._drank(self.log_w),
                                   [self.done, acc, time.time()], seq=self.done)
         if self.is_logger and result is None:
             msg = None
@@ -1213,7 +1207,7 @@ class ResPipe:
         old_data, old_ctl = self.data, self.control.comm
         gone = [w for w in self.members if w not in d["members"]]
         new = None
-        self._shrunk = bool(d["shrink"])  # the ranks a shrink leaves out had failed
+        shrunk = bool(d["shrink"])  # the ranks a shrink leaves out had failed
         # An admitted rank is not on this generation's communicator: build from the lobby.
         parent = made_from = self.lobby.comm if d["admit"] >= 0 else old_ctl
         if not d["shrink"]:
@@ -1230,7 +1224,7 @@ class ResPipe:
             group.Free()
         if new is None:
             new, made_from = ft.shrink(old_ctl), old_ctl
-            self._shrunk = True
+            shrunk = True
         ctl = new.Dup()
         ctl.Set_errhandler(MPI.ERRORS_RETURN)
         old_group = made_from.Get_group()
@@ -1261,7 +1255,7 @@ class ResPipe:
         self.gen = d["gen"]
         P = d["P"]
         self._gen_step = P
-        self._move_log(d, P)
+        self._move_log(d, P, old_writer_dead=shrunk)
         stage_before = {k: w for k, w in enumerate(self.route_w)}
         if d["lost_stage"] >= 0:
             k = d["lost_stage"]
@@ -1325,14 +1319,15 @@ class ResPipe:
         if _DEBUG:
             self._say(f"applied at {time.time() % 100:.3f}")
 
-    def _move_log(self, d: Mapping[str, Any], P: int) -> None:
+    def _move_log(self, d: Mapping[str, Any], P: int, old_writer_dead: bool) -> None:
         """Hand the log to the writer the round named, if it changed.
 
         The rows of the steps before P that the old writer had not written are
         rebuilt by the new one: every stage of the old route sends it its figures of
         those steps again (the loss comes from the last stage's). Rows the old writer
         did write are kept once (RunLog.take_over). The new writer opens the file only
-        once the old one is dead (shrunk away) or has said it let go.
+        once the old one is dead (``old_writer_dead``: the round shrank it away) or has
+        let go.
         """
         old, self.log_w = self.log_w, d["log"]
         if self.log_w == old:
@@ -1346,19 +1341,14 @@ class ResPipe:
                                           seq=int(figs[0]))
             return
         if self.log is not None:
-            dead = self._shrunk
-            released = [False]
-
-            def let_go() -> bool:
+            def let_go() -> bool:  # asked until it says yes (RunLog keeps the answer)
                 # Replaced alive: it says so once it closed the file. Found late but in
                 # fact dead (a deadline fired before ULFM reported it): ULFM knows later.
-                released[0] = released[0] or \
-                    self.lobby.poll(_RELEASED, old, seq=d["gen"]) is not None or \
+                return self.lobby.poll(_RELEASED, old, seq=d["gen"]) is not None or \
                     (self.ulfm and old in ft.failed_ranks(self.lobby.comm))
-                return released[0]
 
             try:
-                self.log.take_over(None if dead else let_go)
+                self.log.take_over(None if old_writer_dead else let_go)
             except LogError as e:  # the file was replaced or lost: train on, and say so
                 print(f"mpipipe train: error: rank {self.wrank} cannot take the run log over: "
                       f"{e}; training goes on without a log", file=sys.stderr, flush=True)

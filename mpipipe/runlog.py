@@ -91,6 +91,7 @@ RETRY_OPEN_S = 0.25  # how often a new writer tries again to open a file still l
 def _record(method: _Method) -> _Method:
     """A writing method: runs on the open file, waits in the queue of a writer whose
     file is still locked, and does nothing on a null log."""
+    takes_time = "time" in inspect.signature(method).parameters
 
     @wraps(method)
     def write(self: RunLog, *args: Any, **kwargs: Any) -> None:
@@ -108,11 +109,17 @@ def _record(method: _Method) -> _Method:
             if method.__name__ == "steps":
                 args = ([{**r, "time": now if r.get("time") is None else r["time"]}
                          for r in args[0]],)
-            elif "time" in inspect.signature(method).parameters and kwargs.get("time") is None:
+            elif takes_time and kwargs.get("time") is None:
                 kwargs = {**kwargs, "time": now}
             self._queue.append((method, args, kwargs))
 
     return write  # type: ignore[return-value]
+
+
+def _last_step(f: h5py.File) -> int:
+    """The step of the last row in ``/steps`` (-1 if none)."""
+    steps = f["steps"]
+    return int(steps["step"][-1]) if "step" in steps and len(steps["step"]) else -1
 
 
 def _trim(group: h5py.Group) -> None:
@@ -143,6 +150,7 @@ class RunLog:
     ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._system = system
         self._t0 = time.time()
         self._file: h5py.File | None = h5py.File(self.path, "w")
         f = self._file
@@ -249,10 +257,8 @@ class RunLog:
         for group in (self._file["steps"], self._file["eval"], self._file["events"],
                       *self._file["ranks"].values()):
             _trim(group)  # a writer killed between two columns leaves them uneven
-        steps = self._file["steps"]
         # Rows of steps the previous writer got to write are kept once (its, not ours).
-        self._written_through = int(steps["step"][-1]) if "step" in steps and \
-            len(steps["step"]) else -1
+        self._written_through = _last_step(self._file)
         queue, self._queue = self._queue or [], None
         for method, args, kwargs in queue:
             method(self, *args, **kwargs)
@@ -278,11 +284,11 @@ class RunLog:
         through = None
         try:  # rows the main file has already (best effort: it may be locked)
             with h5py.File(self.path, "r") as f:
-                through = int(f["steps/step"][-1]) if len(f["steps/step"]) else -1
-        except (OSError, KeyError, IndexError):
+                through = _last_step(f)
+        except (OSError, KeyError):
             pass
         try:
-            side = RunLog(tail, system=getattr(self, "_system", "mpipipe"), config={},
+            side = RunLog(tail, system=self._system, config={},
                           comm_size=0, attrs={"continues": str(self.path), "why": why})
             side._t0 = self._t0
             side._written_through = through  # a row goes to one of the two files only

@@ -384,13 +384,14 @@ class Trainer:
         target = candidate.batches
         change = [t - b for t, b in zip(target, self.batches, strict=True)]
         reason = f"imbalance {level:.2f} > {threshold}, predicted gain {better:.0%}"
+        changed_speed = sudden(factors)
         if settling:
             reason += ", settling"
         else:
-            self.settling = sudden(factors)
+            self.settling = changed_speed
         recent = self.step - self.last_change_step <= 2 * s["retune_every"]
         reverses = any(c * p < 0 for c, p in zip(change, self.last_change, strict=False))
-        if recent and reverses and not sudden(factors):
+        if recent and reverses and not changed_speed:
             # The last move overshot: the step models are off in shape; go half way.
             # (Not when a rank changed speed: then the whole move is what it needs.)
             target = damp(self.batches, target, 0.5)
