@@ -150,9 +150,11 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
                         f"a sample; need at least {1 + n}")
     if s["retune_every"] < 1:
         raise PlanError("stannis.retune_every must be >= 1")
-    if not 0.0 <= s["settle_threshold"] < 1.0 or s["settle_min_gain"] < 0:
-        raise PlanError("stannis.settle_threshold must be an imbalance in [0, 1) (0: no "
-                        "settling re-tune) and stannis.settle_min_gain a gain >= 0")
+    if not 0.0 <= s["settle_threshold"] < 1.0:
+        raise PlanError(f"stannis.settle_threshold = {s['settle_threshold']}: use an imbalance "
+                        "in [0, 1) (0: no settling re-tune)")
+    if s["settle_min_gain"] < 0:
+        raise PlanError(f"stannis.settle_min_gain = {s['settle_min_gain']}: use a gain >= 0")
     if s["max_oversample"] != 0 and s["max_oversample"] < 1:
         raise PlanError(f"stannis.max_oversample = {s['max_oversample']}: use 0 (no cap) or a "
                         "factor >= 1 (a rank's batch share over its share of the records)")

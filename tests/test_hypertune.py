@@ -257,6 +257,20 @@ def test_launch_plan_rejects_an_oversample_factor_below_one() -> None:
         stannis_plan(load_config(None, [f"stannis.max_oversample={ok}"], STANNIS_DEFAULTS), 5)
 
 
+@pytest.mark.parametrize("setting, message", [
+    ("stannis.settle_threshold=1.5", r"stannis.settle_threshold = 1.5: use an imbalance in \[0, 1\)"),
+    ("stannis.settle_min_gain=-0.1", r"stannis.settle_min_gain = -0.1: use a gain >= 0"),
+])
+def test_launch_plan_rejects_a_bad_settling_bar(setting: str, message: str) -> None:
+    from mpipipe.config import load_config
+    from mpipipe.roles import PlanError
+    from stannis.config import STANNIS_DEFAULTS, stannis_plan
+
+    with pytest.raises(PlanError, match=message):
+        stannis_plan(load_config(None, [setting], STANNIS_DEFAULTS), 5)
+    stannis_plan(load_config(None, ["stannis.settle_threshold=0"], STANNIS_DEFAULTS), 5)
+
+
 def test_a_rank_that_changed_speed_is_sudden_noise_is_not() -> None:
     p = RankProfile(StepModel(0.0, 0.001), 1000)
     factors = scale_factors([p, p, p], [100, 0, 100], [0.2, 0.5, 0.11])
