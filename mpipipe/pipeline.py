@@ -13,7 +13,7 @@ from .partition import split
 from .schedule import actions
 from .transport import ACT, EVAL, GRAD, LABEL, SHADOW, Transport
 
-__all__ = ["Pipeline", "Route", "EVAL_LABEL_MICRO", "SHADOW_GRAD_MICRO"]
+__all__ = ["Pipeline", "Route", "StepState", "Have", "EVAL_LABEL_MICRO", "SHADOW_GRAD_MICRO"]
 
 # Evaluation labels travel with kind EVAL and this micro index, which no micro-batch uses.
 EVAL_LABEL_MICRO = 1023
@@ -22,6 +22,68 @@ EVAL_LABEL_MICRO = 1023
 SHADOW_GRAD_MICRO = 512
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepState:
+    """What one stage (or its hot mirror) has done of one step, micro-batch by micro-batch.
+
+    Why: a resumable pipeline keeps it when a step is interrupted, so that after a
+    takeover every survivor finishes the step from where it stopped instead of
+    replaying it, and can send again what a new neighbour lacks. `pos` counts the
+    schedule's actions done; the dicts map a micro-batch to the tensors it received
+    (`inputs`, `grads`: the gradient of its output) and sent (`outs`, `gins`: the
+    gradient of its input); `saved` holds the graphs still to run backward.
+    """
+
+    stage: int
+    step: int
+    pos: int = 0
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    outs: dict[int, torch.Tensor] = field(default_factory=dict)
+    gins: dict[int, torch.Tensor] = field(default_factory=dict)
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    xs: Sequence[torch.Tensor] | None = None  # first stage: its micro-batches of x
+    ys: list[torch.Tensor] | None = None  # last stage: labels per micro-batch
+    y: torch.Tensor | None = None  # first stage: the labels it sent
+    loss_sum: float = 0.0
+    total: int = 0
+
+
+@dataclass(frozen=True)
+class Have:
+    """What a rank holds of step `step`: bit i of `inputs` (`grads`) = micro-batch i's
+    input (output gradient); `labels` = the step's labels. It holds all of earlier steps."""
+
+    step: int
+    inputs: int
+    grads: int
+    labels: bool
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor([self.step, self.inputs, self.grads, int(self.labels)],
+                            dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, v: torch.Tensor) -> Have:
+        s, i, g, lab = (int(x) for x in v.tolist())
+        return cls(s, i, g, bool(lab))
+
+
+def _has(h: Have | None, kind: int, step: int, micro: int) -> bool:
+    """Does the rank that sent `h` hold this message already?"""
+    if h is None or step > h.step:
+        return False
+    if step < h.step:
+        return True
+    if kind == LABEL:
+        return h.labels
+    if kind == GRAD or (kind == SHADOW and micro >= SHADOW_GRAD_MICRO):
+        return bool(h.grads >> (micro % SHADOW_GRAD_MICRO) & 1)
+    if kind in (ACT, SHADOW):
+        return bool(h.inputs >> micro & 1)
+    return False
 
 
 @dataclass(frozen=True)
@@ -121,6 +183,11 @@ class Pipeline:
         self.last_compute_s = 0.0
         self.last_wait_s = 0.0
         self.relay_grads = False  # set by resilience in hot mode
+        # Resilience in hot mode: keep an interrupted step (and the last one) to finish it.
+        self.resumable = False
+        self.inflight: StepState | None = None
+        self.last_state: StepState | None = None
+        self.peer_have: dict[int, Have] = {}
         self.comm = comm
         self.route = route or Route.default(self.k)
         self.transport = Transport(comm, self.route.generation)
@@ -151,6 +218,7 @@ class Pipeline:
             self.transport.bytes_recv.update(old.bytes_recv)
         self.transport.wait_s = old.wait_s
         self.comm, self.route = comm, route
+        self.peer_have = {}
         self.rank = comm.Get_rank()  # type: ignore[attr-defined]
         self.stage = route.stage_of(self.rank)
 
@@ -208,7 +276,7 @@ class Pipeline:
 
     # -- one training step -------------------------------------------------------------
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None, loss_fn: LossFn, *,
-             step: int | None = None) -> float | None:
+             step: int | None = None, mirror: tuple[int, int] | None = None) -> float | None:
         """Forward and backward all micro-batches of one mini-batch; return the loss.
 
         `x` is read on the first stage and `y` on the first stage (labels travel) or the
@@ -219,106 +287,229 @@ class Pipeline:
         and loss equal those of the whole mini-batch. Returns the mini-batch loss on the
         last stage and None elsewhere.
 
+        With `mirror=(stage, source)` a rank without a stage runs that stage's actions on
+        the copies `source` relays (kind SHADOW) and sends nothing: a hot backup. On a
+        `resumable` pipeline an interrupted step is kept (:class:`StepState`) and the next
+        call for the same step and stage continues it where it stopped, even on another
+        route and as the stage itself after a mirror's takeover (see :meth:`resume`).
+
         Raises:
             Late: a message missed `self.deadline`.
             PeerFailed: a peer died (ULFM).
             ValueError: a mini-batch with fewer samples than micro-batches.
         """
-        if self.stage is None:
+        stage = self.stage if mirror is None else mirror[0]
+        if stage is None:
             return None
         step_no = self.step_count if step is None else step
         t0 = time.perf_counter()
         wait0 = self.transport.wait_s
-        stage, t = self.stage, self.transport
-        part = self.partitions[stage]
-        m, deadline = self.chunks, self.deadline
-        prev_rank = self.route.ranks[stage - 1] if stage > 0 else -1
-        next_rank = self.route.ranks[stage + 1] if stage < self.k - 1 else -1
-        self.zero_grad()
+        st = self.inflight
+        if st is None or st.step != step_no or st.stage != stage:
+            st = self._begin(stage, step_no)
+        try:
+            self._run(st, x, y, loss_fn, None if mirror is None else mirror[1])
+        except BaseException:
+            self.transport.discard()
+            if not self.resumable:
+                self.inflight = None
+            raise
+        finally:
+            elapsed = time.perf_counter() - t0
+            self.last_wait_s = self.transport.wait_s - wait0
+            self.last_compute_s = elapsed - self.last_wait_s
+        self.inflight = None
+        st.saved.clear()
+        self.last_state = st if self.resumable else None
+        self.step_count = step_no + 1
+        return st.loss_sum if stage == self.k - 1 else None
 
-        xs: Sequence[torch.Tensor] = ()
-        if self.first:
+    def _begin(self, stage: int, step_no: int) -> StepState:
+        for p in self.partitions[stage].parameters():
+            p.grad = None
+        self.inflight = StepState(stage, step_no)
+        return self.inflight
+
+    def _run(self, st: StepState, x: torch.Tensor | None, y: torch.Tensor | None,
+             loss_fn: LossFn, source: int | None) -> None:
+        """The actions of `st.stage` from `st.pos` on; `source` is a mirror's stage rank."""
+        stage, t, m, deadline = st.stage, self.transport, self.chunks, self.deadline
+        first, last = stage == 0, stage == self.k - 1
+        part = self.partitions[stage]
+        ranks = self.route.ranks
+        shadows = self.route.shadows_of(stage) if source is None else []
+        if first and source is None and st.xs is None:
             if x is None:
                 raise ValueError("the first stage needs x")
             if len(x) < m:
                 raise ValueError(f"a mini-batch of {len(x)} samples cannot make {m} "
                                  f"micro-batches; use a batch size >= chunks")
-            xs = x.tensor_split(m)
+            st.xs = x.tensor_split(m)
             self.boundary_shapes(x.shape[1:])
         shapes = self.boundary_shapes()
-        ys = self._labels(y, step_no, 0, LABEL) \
-            if (self.first or self.last) else None
-        total = sum(len(v) for v in ys) if (self.last and ys is not None) else 0
-
-        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        loss_sum = 0.0
-        try:
-            for op, i in actions(self.schedule, stage, self.k, m):
-                if op == "F":
-                    if self.first:
-                        inp = xs[i]
+        if (first or last) and st.ys is None and st.y is None:
+            if source is not None:  # a mirror reads its labels itself
+                if last:
+                    if y is None:
+                        raise ValueError("a mirror of the last stage needs y")
+                    st.ys = list(y.tensor_split(m))
+            else:
+                st.ys, st.y = self._labels(y, st.step, 0, LABEL)
+        if last and st.ys is not None and not st.total:
+            st.total = sum(len(v) for v in st.ys)
+        todo = actions(self.schedule, stage, self.k, m)
+        while st.pos < len(todo):
+            op, i = todo[st.pos]
+            if op == "F":
+                inp = st.inputs.get(i)
+                if inp is None:
+                    if first and source is None:
+                        assert st.xs is not None
+                        inp = st.xs[i]
                     else:
                         shape, dtype = shapes[stage]
-                        inp = t.recv_rows(shape, dtype, prev_rank, kind=ACT, step=step_no,
-                                          micro=i, deadline=deadline)
+                        inp = t.recv_rows(shape, dtype, ranks[stage - 1] if source is None
+                                          else source, kind=ACT if source is None else SHADOW,
+                                          step=st.step, micro=i, deadline=deadline)
                         inp.requires_grad_(inp.is_floating_point())
-                    for r in self.route.shadows_of(stage):
-                        t.send(inp, r, kind=SHADOW, step=step_no, micro=i)
-                    out = part(inp)
-                    if self.last:
-                        assert ys is not None
-                        out = loss_fn(out, ys[i]) * (len(ys[i]) / total)
-                        loss_sum += float(out.detach())
-                    else:
-                        t.send(out, next_rank, kind=ACT, step=step_no, micro=i)
-                    saved[i] = (inp, out)
+                    st.inputs[i] = inp
+                for r in shadows:
+                    self._emit(inp, r, SHADOW, st.step, i)
+                out = part(inp)
+                if last:
+                    assert st.ys is not None
+                    out = loss_fn(out, st.ys[i]) * (len(st.ys[i]) / st.total)
+                    st.loss_sum += float(out.detach())
                 else:
-                    inp, out = saved.pop(i)
-                    if self.last:
-                        grad = None
-                    else:
-                        grad = t.recv(torch.empty_like(out), next_rank, kind=GRAD,
-                                      step=step_no, micro=i, deadline=deadline)
-                        for r in self.route.shadows_of(stage) if self.relay_grads else ():
-                            t.send(grad, r, kind=SHADOW, step=step_no,
-                                   micro=SHADOW_GRAD_MICRO + i)
-                    if out.requires_grad:
-                        out.backward(grad)
-                    if not self.first:
-                        g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                        t.send(g, prev_rank, kind=GRAD, step=step_no, micro=i)
-            t.flush(deadline)
-        except BaseException:
-            saved.clear()
-            t.discard()
-            raise
-        finally:
-            elapsed = time.perf_counter() - t0
-            self.last_wait_s = t.wait_s - wait0
-            self.last_compute_s = elapsed - self.last_wait_s
-        self.step_count = step_no + 1
-        return loss_sum if self.last else None
+                    st.outs[i] = out.detach()
+                st.saved[i] = (inp, out)
+                st.pos += 1
+                if not last and source is None:
+                    self._emit(out, ranks[stage + 1], ACT, st.step, i)
+            else:
+                inp, out = st.saved[i]
+                grad = None
+                if not last:
+                    grad = st.grads.get(i)
+                    if grad is None:
+                        grad = t.recv(torch.empty_like(out),
+                                      ranks[stage + 1] if source is None else source,
+                                      kind=GRAD if source is None else SHADOW, step=st.step,
+                                      micro=i if source is None else SHADOW_GRAD_MICRO + i,
+                                      deadline=deadline)
+                        st.grads[i] = grad
+                    for r in shadows if self.relay_grads else ():
+                        self._emit(grad, r, SHADOW, st.step, SHADOW_GRAD_MICRO + i)
+                if out.requires_grad:
+                    out.backward(grad)
+                del st.saved[i]
+                st.pos += 1
+                if not first:
+                    g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+                    st.gins[i] = g
+                    if source is None:
+                        self._emit(g, ranks[stage - 1], GRAD, st.step, i)
+        t.flush(deadline)
 
-    def _labels(self, y: torch.Tensor | None, step_no: int, micro: int,
-                kind: int) -> list[torch.Tensor] | None:
-        """Labels of each micro-batch on the last stage; the first stage sends them."""
+    # -- finishing a step after a takeover (hot backups) -------------------------------
+    def _emit(self, tensor: torch.Tensor, dest: int, kind: int, step: int, micro: int) -> None:
+        """Send unless `dest` said it already has this message (see :meth:`resume`)."""
+        if self.peer_have and _has(self.peer_have.get(dest), kind, step, micro):
+            return
+        self.transport.send(tensor, dest, kind=kind, step=step, micro=micro)
+
+    def have(self, step: int) -> Have:
+        """What this rank holds of `step`'s messages, for the ranks that send it them."""
+        st = self.inflight
+        if st is None or st.step != step:
+            return Have(step, 0, 0, False)
+        bits = lambda d: sum(1 << i for i in d)  # noqa: E731
+        return Have(step, bits(st.inputs), bits(st.grads), st.ys is not None)
+
+    def suppliers(self, mirror_source: int | None = None) -> list[int]:
+        """The ranks whose messages this rank consumes in a step (on the current route)."""
+        if self.stage is None:
+            return [] if mirror_source is None else [mirror_source]
+        j, ranks = self.stage, self.route.ranks
+        out = {ranks[j - 1]} if j > 0 else set()
+        if j < self.k - 1:
+            out.add(ranks[j + 1])
+        if j == self.k - 1 and j > 0 and self.labels == "travel":
+            out.add(ranks[0])
+        return sorted(out)
+
+    def consumers(self) -> list[int]:
+        """The ranks that consume this rank's messages in a step (stages and mirrors)."""
+        if self.stage is None:
+            return []
+        j, ranks = self.stage, self.route.ranks
+        out = set(self.route.shadows_of(j))
+        if j > 0:
+            out.add(ranks[j - 1])
+        if j < self.k - 1:
+            out.add(ranks[j + 1])
+            if j == 0 and self.labels == "travel":
+                out.add(ranks[-1])
+        return sorted(out)
+
+    def resume(self, peer_have: Mapping[int, Have]) -> int:
+        """After a takeover: send each consumer what it lacks of the steps this rank holds.
+
+        `peer_have` maps each consumer (rank on the current route) to what it holds.
+        Messages a consumer has are never sent again, now or when this rank produces
+        them later (a promoted mirror is behind the stage it replaces); every message it
+        lacks goes to it once. Returns the number of messages sent.
+
+        Raises:
+            PeerFailed: a consumer is dead (a new round follows).
+        """
+        self.peer_have = dict(peer_have)
+        sent = self.transport.pending()
+        j, ranks = self.stage, self.route.ranks
+        for st in (self.last_state, self.inflight):
+            if st is None or j is None or st.stage != j:
+                continue
+            if j < self.k - 1:
+                for i, o in st.outs.items():
+                    self._emit(o, ranks[j + 1], ACT, st.step, i)
+            if j > 0:
+                for i, g in st.gins.items():
+                    self._emit(g, ranks[j - 1], GRAD, st.step, i)
+            if j == 0 and st.y is not None and self.k > 1 and self.labels == "travel":
+                self._emit(st.y, ranks[-1], LABEL, st.step, 0)
+            for r in self.route.shadows_of(j):
+                for i, inp in st.inputs.items():
+                    self._emit(inp, r, SHADOW, st.step, i)
+                for i, g in st.grads.items() if self.relay_grads else ():
+                    self._emit(g, r, SHADOW, st.step, SHADOW_GRAD_MICRO + i)
+        return self.transport.pending() - sent
+
+    def abandon(self) -> None:
+        """Forget an interrupted step (it will be replayed from its start)."""
+        self.inflight = None
+        self.last_state = None
+        self.peer_have = {}
+
+    def _labels(self, y: torch.Tensor | None, step_no: int, micro: int, kind: int
+                ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
+        """(labels of each micro-batch on the last stage, labels the first stage sent)."""
         m = self.chunks
         if self.labels == "local" or (self.first and self.last):
             if not self.last:
-                return None
+                return None, None
             if y is None:
                 raise ValueError("the last stage needs y (labels='local')")
-            return list(y.tensor_split(m))
+            return list(y.tensor_split(m)), None
         if self.first:
             if y is None:
                 raise ValueError("the first stage needs y: labels travel from it to the "
                                  "last stage")
-            self.transport.send(y.to(self.label_dtype), self.route.ranks[-1], kind=kind,
-                                step=step_no, micro=micro)
-            return None
+            sent = y.to(self.label_dtype)
+            self._emit(sent, self.route.ranks[-1], kind, step_no, micro)
+            return None, sent
         whole = self.transport.recv_rows((), self.label_dtype, self.route.ranks[0], kind=kind,
                                          step=step_no, micro=micro, deadline=self.deadline)
-        return list(whole.tensor_split(m))
+        return list(whole.tensor_split(m)), None
 
     # -- evaluation --------------------------------------------------------------------
     @torch.no_grad()
@@ -346,7 +537,7 @@ class Pipeline:
                 xs = x.tensor_split(m)
                 self.boundary_shapes(x.shape[1:])
             shapes = self.boundary_shapes()
-            ys = self._labels(y, seq, EVAL_LABEL_MICRO, EVAL) if (self.first or self.last) \
+            ys = self._labels(y, seq, EVAL_LABEL_MICRO, EVAL)[0] if (self.first or self.last) \
                 else None
             correct = count = 0
             for i in range(m):
