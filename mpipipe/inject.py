@@ -17,8 +17,9 @@ KINDS = ("kill", "stall", "delay", "slow")
 # Which keys each kind needs and accepts, with their types; the target is either
 # a stage (pipeline jobs) or a rank (any job), never both.
 _REQUIRED = {"kill": {"step"}, "stall": {"step"}, "delay": {"p", "seconds"}, "slow": {"factor"}}
-_OPTIONAL = {"kill": set(), "stall": {"seconds"}, "delay": {"step"}, "slow": {"step"}}
-_INT_KEYS = {"stage", "rank", "step"}
+_OPTIONAL = {"kill": {"micro"}, "stall": {"seconds", "micro"}, "delay": {"step"},
+             "slow": {"step"}}
+_INT_KEYS = {"stage", "rank", "step", "micro"}
 _EXAMPLES = {
     "kill": "kill:stage=1:step=20",
     "stall": "stall:stage=1:step=20:seconds=5",
@@ -36,8 +37,10 @@ class FaultError(ValueError):
 class Fault:
     """One injected fault.
 
-    ``kill``: SIGKILL the target's process at the start of ``step`` (a real crash).
-    ``stall``: the target stops responding (sleeps outside MPI) for ``seconds`` at ``step``.
+    ``kill``: SIGKILL the target's process at the start of ``step`` (a real crash), or
+    with ``micro=M`` in the middle of it, right after the forward of micro-batch M.
+    ``stall``: the target stops responding (sleeps outside MPI) for ``seconds`` at ``step``
+    (with ``micro=M``: after the forward of micro-batch M).
     ``delay``: at every step (from ``step``, default 0) the target sleeps ``seconds``
     with probability ``p`` (seeded, so a run is repeatable; a replayed step is not
     delayed again).
@@ -52,6 +55,7 @@ class Fault:
     p: float = 0.0
     seconds: float = 0.0
     factor: float = 1.0
+    micro: int = -1  # kill, stall: -1 = at the start of the step
 
     def targets(self, *, stage: int | None, rank: int) -> bool:
         """True if this fault is aimed at the process playing ``stage`` on world ``rank``."""
@@ -61,8 +65,9 @@ class Fault:
 
     def __str__(self) -> str:
         where = f"stage={self.stage}" if self.stage is not None else f"rank={self.rank}"
-        extra = {"kill": f"step={self.step}",
-                 "stall": f"step={self.step}:seconds={self.seconds:g}",
+        at = f":micro={self.micro}" if self.micro >= 0 else ""
+        extra = {"kill": f"step={self.step}{at}",
+                 "stall": f"step={self.step}{at}:seconds={self.seconds:g}",
                  "delay": f"p={self.p:g}:seconds={self.seconds:g}",
                  "slow": f"step={self.step}:factor={self.factor:g}"}[self.kind]
         return f"{self.kind}:{where}:{extra}"
@@ -107,7 +112,7 @@ def parse(spec: str) -> Fault:
     missing = _REQUIRED[kind] - set(values)
     if missing:
         raise _fail(spec, f"missing {', '.join(sorted(missing))}", kind)
-    for key in ("stage", "rank", "step"):
+    for key in ("stage", "rank", "step", "micro"):
         if key in values and values[key] < 0:
             raise _fail(spec, f"{key} must be >= 0", kind)
     if kind == "delay" and not 0.0 <= values["p"] <= 1.0:
@@ -163,15 +168,18 @@ class FaultPlan:
                 factor = max(factor, f.factor)
         return factor
 
-    def at_step(self, step: int) -> float:
+    def at_step(self, step: int, micro: int = -1) -> float:
         """Fire this process's faults due at ``step``; returns the seconds it slept.
 
-        ``kill`` does not return. Every fault fires at most once per step, even if the
-        step is replayed after a takeover.
+        Called at the start of a step (``micro`` -1) and after the forward of each
+        micro-batch (for kills and stalls placed inside a step). ``kill`` does not
+        return. Every fault fires at most once per step, even if the step is replayed
+        after a takeover.
         """
         slept = 0.0
         for i, f in enumerate(self.mine):
-            if f.kind in ("kill", "stall") and f.step == step and (i, step) not in self._fired:
+            if f.kind in ("kill", "stall") and f.step == step and f.micro == micro \
+                    and (i, step) not in self._fired:
                 self._fired.add((i, step))
                 if self.on_fire:
                     self.on_fire(f, step, {"seconds": f.seconds})
@@ -180,7 +188,8 @@ class FaultPlan:
                     return slept  # only reached when kill is replaced in tests
                 self._sleep(f.seconds)
                 slept += f.seconds
-            elif f.kind == "delay" and step >= f.step and (i, step) not in self._fired:
+            elif f.kind == "delay" and micro < 0 and step >= f.step \
+                    and (i, step) not in self._fired:
                 # Once per step: a replayed step does not straggle again (else a delay
                 # shorter than detection plus agreement would replay forever).
                 self._fired.add((i, step))

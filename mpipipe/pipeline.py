@@ -73,7 +73,7 @@ class Have:
 
 def _has(h: Have | None, kind: int, step: int, micro: int) -> bool:
     """Does the rank that sent `h` hold this message already?"""
-    if h is None or step > h.step:
+    if h is None or kind not in (ACT, GRAD, LABEL, SHADOW) or step > h.step:
         return False
     if step < h.step:
         return True
@@ -188,6 +188,8 @@ class Pipeline:
         self.inflight: StepState | None = None
         self.last_state: StepState | None = None
         self.peer_have: dict[int, Have] = {}
+        # Called with (step, micro) after each forward of a stage (fault injection).
+        self.after_forward: Callable[[int, int], object] | None = None
         self.comm = comm
         self.route = route or Route.default(self.k)
         self.transport = Transport(comm, self.route.generation)
@@ -384,8 +386,11 @@ class Pipeline:
                     st.outs[i] = out.detach()
                 st.saved[i] = (inp, out)
                 st.pos += 1
-                if not last and source is None:
-                    self._emit(out, ranks[stage + 1], ACT, st.step, i)
+                if source is None:
+                    if not last:
+                        self._emit(out, ranks[stage + 1], ACT, st.step, i)
+                    if self.after_forward is not None:
+                        self.after_forward(st.step, i)
             else:
                 inp, out = st.saved[i]
                 grad = None

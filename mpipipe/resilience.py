@@ -44,10 +44,10 @@ from .checkpoint import CheckpointError
 from .costmodel import predict, stage_shapes
 from .inject import Fault, FaultPlan
 from .lr import set_rate_for_step
-from .pipeline import SHADOW_GRAD_MICRO, Pipeline, Route
+from .pipeline import SHADOW_GRAD_MICRO, Have, Pipeline, Route
 from .replica import pack_state, replica_numel, unpack_state
 from .runlog import LogError
-from .transport import REPLICA, SHADOW, Late, PeerFailed, pause
+from .transport import CTRL, REPLICA, SHADOW, Late, PeerFailed, pause
 
 __all__ = [
     "Settings",
@@ -132,7 +132,7 @@ class Settings:
     faults: tuple[Fault, ...] = ()
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], stages: int) -> Settings:
+    def from_config(cls, cfg: Mapping[str, Any], stages: int, chunks: int = 1) -> Settings:
         """Read and check ``cfg["resilience"]``.
 
         Raises:
@@ -157,6 +157,9 @@ class Settings:
             if f.stage is not None and f.stage >= stages:
                 raise ValueError(f"fault {f}: stage {f.stage} does not exist "
                                  f"(stages 0..{stages - 1})")
+            if f.micro >= chunks:
+                raise ValueError(f"fault {f}: micro-batch {f.micro} does not exist "
+                                 f"(pipeline.chunks = {chunks}: micro-batches 0..{chunks - 1})")
         return cls(_backup_counts(sec.get("backups", {}), stages), r, sec["mode"],
                    float(sec["deadline_s"]), float(sec["deadline_factor"]), faults)
 
@@ -239,7 +242,7 @@ def encode_decision(d: Mapping[str, Any]) -> np.ndarray:
            len(d["choices"]), *[x for k, c in sorted(d["choices"].items()) for x in (k, c)],
            len(d["silent"]), *d["silent"], d["admit"], d["admit_stage"],
            *[x for k in range(len(route)) for x in (len(d["backups"][k]), *d["backups"][k])],
-           d["log"]]
+           d["log"], d["go_on"]]
     return np.asarray(vec, dtype=np.float64)
 
 
@@ -259,6 +262,7 @@ def read_decision(v: np.ndarray) -> dict[str, Any]:
     d["backups"] = {k: [int(next(it)) for _ in range(int(next(it)))]
                     for k in range(len(d["route"]))}
     d["log"] = int(next(it))
+    d["go_on"] = int(next(it))
     return d
 
 
@@ -328,7 +332,7 @@ class ResPipe:
         self.wrank = self.world.Get_rank()
         self.cfg = cfg
         self.plan = plan
-        self.settings = Settings.from_config(cfg, pipe.k)
+        self.settings = Settings.from_config(cfg, pipe.k, pipe.chunks)
         self.pipe = pipe
         self.make_optimizer = make_optimizer
         self.loss_fn = loss_fn
@@ -368,6 +372,9 @@ class ResPipe:
         self.snapshot: _Slot | None = None
         self.slots: list[_Slot] = []  # held replicas (backup or neighbour), newest last
         self.optimizer: torch.optim.Optimizer | None = None
+        self._mirror_of: int | None = None  # hot: the stage whose optimizer self.optimizer is
+        self._mirror_snap: _Slot | None = None  # hot: the mirror's state before its step
+        self._eval_pending = False  # an evaluation is due at self.done and not yet over
         self.faults = FaultPlan(self.settings.faults, seed=int(cfg["run"]["seed"]),
                                 stage=self.stage, rank=self.wrank, on_fire=self._fault_fired)
         self.step_times: deque[float] = deque(maxlen=21)
@@ -385,6 +392,7 @@ class ResPipe:
         self._rejoin_requests: dict[int, float] = {}  # replaced rank -> when it was told
         self._gen_step = 0  # the step the current generation started at
         self._rebind_pipe()
+        pipe.after_forward = self.faults.at_step  # kills and stalls inside a step
         # Every rank built the model from the same seed: before the first replica
         # arrives, a holder's copy of the initial state is the replica of step 0.
         for k in ([self.shadowing] if self.shadowing is not None else self.wards):
@@ -490,6 +498,8 @@ class ResPipe:
         route = Route(tuple(self._drank(w) for w in self.route_w), self.gen, shadows)
         self.pipe.rebind(route, self.data)
         self.pipe.relay_grads = hot
+        # Bits of one int64 say which micro-batches a rank holds (Have).
+        self.pipe.resumable = hot and self.pipe.chunks <= 62
         self.wards = self._wards_of(self.wrank) if self.stage is not None else []
         if self.stage is not None and self.optimizer is None:
             self.optimizer = self.make_optimizer(self._params(self.stage))
@@ -708,6 +718,7 @@ class ResPipe:
         self.optimizer, self.snapshot, self.slots = None, None, []
         self.done = P
         self.pending_rows, self._early = {}, {}
+        self.pipe.abandon()
         self._rebind_pipe()
         self._resync(P)
         if k != self._launch_stage(self.wrank):
@@ -751,6 +762,7 @@ class ResPipe:
         set_rate_for_step(opt, self.cfg["optim"], s, self.total)
         opt.step()
         self.done = s + 1
+        self._eval_pending = self._eval_point(self.done)
         self._replicate()
         self.step_times.append(time.perf_counter() - t0 - slept)
         if _DEBUG and self.gen and s <= self._gen_step + 1:
@@ -760,8 +772,9 @@ class ResPipe:
         figs = [s, time.time(), math.nan if loss is None else loss, pipe.last_compute_s,
                 t.wait_s, t.total_sent, t.total_recv, self.wrank]
         self._report(s, figs)
-        if self.done == self.total or (self.eval_every and self.done % self.eval_every == 0):
+        if self._eval_point(self.done) or self.done == self.total:
             self._evaluate()
+            self._eval_pending = False
         every = int(self.cfg["run"].get("checkpoint_every", 0))
         if self.checkpoint_dir is not None and (
                 self.done == self.total or (every and self.done % every == 0)):
@@ -815,10 +828,7 @@ class ResPipe:
 
     # -- per-step figures and the log ------------------------------------------------
     def _report(self, s: int, figs: list[float]) -> None:
-        # a replayed step's figures replace those of its rolled-back run
-        while self.recent_figs and int(self.recent_figs[-1][0]) >= s:
-            self.recent_figs.pop()
-        self.recent_figs.append(figs)
+        self._keep_figs(figs)
         if not self.is_logger:
             self.control.send(_FIGS, self._drank(self.log_w), figs, seq=s)
             return
@@ -831,6 +841,12 @@ class ResPipe:
             self._write_row(old)
         self._close_open_events(figs[1])
 
+    def _keep_figs(self, figs: list[float]) -> None:
+        # a replayed step's figures replace those of its rolled-back run
+        while self.recent_figs and int(self.recent_figs[-1][0]) >= int(figs[0]):
+            self.recent_figs.pop()
+        self.recent_figs.append(figs)
+
     @staticmethod
     def _fig_dict(figs: Sequence[float]) -> dict[str, float]:
         return {"compute_s": float(figs[3]), "wait_s": float(figs[4]),
@@ -841,8 +857,9 @@ class ResPipe:
         rebuilt = self._rebuilt.get(s)  # a new writer's row of a step before its round
         if s < self._gen_step and rebuilt is None:
             return  # collected before the route changed (figures travel per generation)
-        want = rebuilt if rebuilt is not None else \
-            [w for w in self.route_w if w != self.wrank and (alive is None or w in alive)]
+        # Figures of a rank that has just died may still be waiting: take them, but do
+        # not wait for them (``alive``: the ranks worth waiting for).
+        want = rebuilt if rebuilt is not None else [w for w in self.route_w if w != self.wrank]
         end = time.perf_counter() + wait_s
         while True:
             for w in want:
@@ -854,7 +871,8 @@ class ResPipe:
                     if not math.isnan(msg[2]):
                         row.loss = float(msg[2])
                     row.time = max(row.time, float(msg[1]))
-            if all(w in row.ranks for w in want if w in self.members) or \
+            if all(w in row.ranks for w in want
+                   if w in self.members and (alive is None or w in alive)) or \
                     time.perf_counter() > end:
                 return
             time.sleep(0.0005)
@@ -982,66 +1000,54 @@ class ResPipe:
             raise PeerFailed(src, ft.error_class(e)) from e
 
     def _mirror_step(self, k: int, stage_w: int) -> None:
-        """Hot mode: run stage k's forward and backward on the relayed tensors, then step.
+        """Hot mode: run stage k's actions on the tensors it relays, then step.
 
         The stage relays its inputs and its output gradients (stages < K-1); the last
         stage's mirror reads y itself, so the mirror applies exactly the stage's update,
-        in the same order.
+        in the same order. The pipeline keeps the step's progress, so that a takeover
+        in the middle of it finishes the step where the mirror stands (no replay).
         """
-        pipe, t, m = self.pipe, self.pipe.transport, self.pipe.chunks
+        pipe, t = self.pipe, self.pipe.transport
         s = self.done
-        part = pipe.partitions[k]
         params = self._params(k)
-        if self.optimizer is None or getattr(self, "_mirror_of", None) != k:
+        if self.optimizer is None or self._mirror_of != k:
             # A new mirror starts from the replica it holds (of step 0, or of a resumed
             # run's checkpoint), optimizer state included.
             self.optimizer = self.make_optimizer(params)
             self._mirror_of = k
+            pipe.abandon()
             if self.slots:
                 unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim,
                              self.momentum, self.slots[-1].count)
-        src = self._drank(stage_w)
-        last = k == pipe.k - 1
-        shape, dtype = pipe.boundary_shapes(self.in_shape)[k]
-        out_shape, out_dtype = pipe.boundary_shapes(self.in_shape)[k + 1]
-
-        def grad_of(i: int, n: int, d: float) -> torch.Tensor:
-            return t.recv(torch.empty((n, *out_shape), dtype=out_dtype), src, kind=SHADOW,
-                          step=s, micro=SHADOW_GRAD_MICRO + i, deadline=d)
-
-        # Wait (briefly, so END and announcements are seen) for the first relayed tensor.
-        if not self._probe(stage_w, t.tag(SHADOW, s, 0)):
-            time.sleep(0.0005)
-            return
-        deadline = self._deadline()
-        ins = [t.recv_rows(shape, dtype, src, kind=SHADOW, step=s, micro=i, deadline=deadline)
-               for i in range(m)]
-        ys = list(self.batch_of(s)[1].tensor_split(m)) if last else None
-        snap = _Slot(pack_state(params, self.optimizer, self.optim, self.momentum), s)
-        for p in params:
-            p.grad = None
-        total = sum(len(v) for v in ys) if ys else 0
-        outs = []
-        for i, inp in enumerate(ins):
-            inp.requires_grad_(inp.is_floating_point())
-            out = part(inp)
-            if last:
-                assert ys is not None
-                out = self.loss_fn(out, ys[i]) * (len(ys[i]) / total)
-            outs.append(out)
-        for i, out in enumerate(outs):
-            grad = None if last else grad_of(i, len(ins[i]), deadline)
-            if out.requires_grad:
-                out.backward(grad)
+        st = pipe.inflight
+        if st is None or st.step != s or st.stage != k:
+            # Wait (briefly, so END and announcements are seen) for the step's first
+            # relayed tensor (every schedule starts with the forward of micro-batch 0).
+            if not self._probe(stage_w, t.tag(SHADOW, s, 0)):
+                time.sleep(0.0005)
+                return
+            self._mirror_snap = _Slot(pack_state(params, self.optimizer, self.optim,
+                                                 self.momentum), s)
+        pipe.deadline = self._deadline()
+        pipe.boundary_shapes(self.in_shape)
+        t.reset_counters()
+        t0 = time.perf_counter()
+        y = self.batch_of(s)[1] if k == pipe.k - 1 else None
+        loss = pipe.step(None, y, self.loss_fn, step=s, mirror=(k, self._drank(stage_w)))
         set_rate_for_step(self.optimizer, self.cfg["optim"], s, self.total)
         self.optimizer.step()
+        snap = self._mirror_snap
         self.snapshot = snap
         self.done = s + 1
         self.slots = [snap, _Slot(pack_state(params, self.optimizer, self.optim,
                                              self.momentum), self.done)]
+        # Kept in case this mirror takes over before the stage's figures reach the log.
+        self._keep_figs([s, time.time(), math.nan if loss is None else loss,
+                         time.perf_counter() - t0 - t.wait_s, t.wait_s, t.total_sent,
+                         t.total_recv, self.wrank])
         if self.done % self.settings.replicate_every == 0:
             # The periodic replica guards the mirror against drift; it replaces the state.
-            self._take_replica(stage_w, k, self.done, t, deadline=deadline)
+            self._take_replica(stage_w, k, self.done, t)
             unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim, self.momentum,
                          self.done)
 
@@ -1058,16 +1064,19 @@ class ResPipe:
             dead |= 1 << self.members[w]
         if rnd.reason == "failed" and rnd.suspect >= 0:
             dead |= 1 << rnd.suspect
+        last = self.pipe.last_state
+        records_from = last.step if last is not None and last.step == self.done - 1 \
+            else self.done  # the oldest step whose messages this rank can send again
         return [self.gen, self.wrank, kind, index, self.done, latest, prev,
                 {v: k for k, v in _REASONS.items()}[rnd.reason], rnd.suspect, rnd.t_detect,
-                float(dead), rnd.waited_s]
+                float(dead), rnd.waited_s, float(self._eval_pending), records_from,
+                float(self.pipe.resumable)]
 
     def _recover(self, rnd: _Round) -> None:
         """Run one round: announce, wait, decide (lowest live rank), apply the decision."""
         if self.ulfm:
             ft.revoke(self.data)  # wake every survivor blocked on the data communicator
         self.pipe.transport.discard()
-        self.pipe.zero_grad()
         mine = self._state_vector(rnd)
         for w in self.members:
             if w != self.wrank:
@@ -1194,12 +1203,52 @@ class ResPipe:
         log_w = self.log_w if self.log_w in members else \
             min([w for w in self.route_w if w in members]
                 or [w for w in route if w in members] or members)
+        go_on = promoted and lost_stage < 0 and merge < 0 and admit < 0 and \
+            self._can_go_on(heard, route, backups, promoted)
+        if go_on:
+            P = min(int(heard[w][4]) for w in route)
+            choices = {k: P for k in promoted}
         return read_decision(encode_decision({
-            "gen": self.gen + 1, "P": P, "lost_stage": lost_stage, "merge": merge,
+            "gen": self.gen + 1, "P": P, "go_on": int(bool(go_on)), "lost_stage": lost_stage, "merge": merge,
             "shrink": shrink, "reason": reason,
             "suspect": int(first[8]), "t_detect": float(first[9]), "waited_s": float(first[11]),
             "members": members, "route": route, "choices": choices, "silent": list(silent),
             "admit": admit, "admit_stage": admit_stage, "backups": backups, "log": log_w}))
+
+    def _can_go_on(self, heard: Mapping[int, np.ndarray], route: Sequence[int],
+                   backups: Mapping[int, Sequence[int]], promoted: Mapping[int, int]) -> bool:
+        """Can the survivors finish the interrupted step where they stand (hot mode)?
+
+        Yes when every promoted backup is a hot mirror of its stage; every rank keeps
+        the messages of each step a consumer of it may still lack (it holds the steps
+        from ``records_from``); no evaluation is under way or would be met by some
+        ranks only; and every rank can resume. Otherwise the round replays a step.
+        """
+        if self.settings.mode != "hot":
+            return False
+        ranks = [*route, *(b for bs in backups.values() for b in bs)]
+        if any(len(heard[w]) < 15 or not heard[w][14] or heard[w][12] for w in ranks):
+            return False
+        if any(int(heard[b][2]) != 1 or int(heard[b][3]) != k for k, b in promoted.items()):
+            return False
+        k_count = len(route)
+        for j, w in enumerate(route):
+            consumers = set(backups.get(j, []))
+            if j > 0:
+                consumers.add(route[j - 1])
+            if j < k_count - 1:
+                consumers.add(route[j + 1])
+                if j == 0 and self.pipe.labels == "travel":
+                    consumers.add(route[-1])
+            if any(int(heard[c][4]) < int(heard[w][13]) for c in consumers):
+                return False
+        steps = [int(heard[w][4]) for w in route]
+        return not any(self._eval_point(s) for s in range(min(steps) + 1, max(steps) + 1))
+
+    def _eval_point(self, done: int) -> bool:
+        """Is an evaluation due once ``done`` steps are applied?"""
+        return self.evaluate_fn is not None and (
+            done == self.total or bool(self.eval_every and done % self.eval_every == 0))
 
     def _apply(self, d: Mapping[str, Any], heard: Mapping[int, np.ndarray], rnd: _Round) -> None:
         """Build the new communicators, then adopt the route, roles and state of step P."""
@@ -1263,8 +1312,13 @@ class ResPipe:
             self._flush_rows_until(P)
             raise StageLost(k, stage_before[k], "failed" if d["reason"] == "failed"
                             else "stopped responding")
+        go_on = bool(d["go_on"])
+        if not go_on:  # the step is replayed from its start
+            self.pipe.abandon()
+            self.pipe.zero_grad()
+            self._eval_pending = False
         # Roll back a step this rank completed beyond P (its snapshot holds step P).
-        if self.stage is not None and self.done > P:
+        if not go_on and self.stage is not None and self.done > P:
             if self.snapshot is None or self.snapshot.count != P:
                 raise RuntimeError(f"cannot roll back from step {self.done} to {P}")
             assert self.optimizer is not None
@@ -1275,15 +1329,20 @@ class ResPipe:
             self._merge(d, P)
         for k, w in enumerate(d["route"]):
             if d["merge"] < 0 and w == self.wrank and self.stage != k:
-                self._promote(k, d["choices"][k], P)
+                if go_on:
+                    self._promote_mirror(k)
+                else:
+                    self._promote(k, d["choices"][k], P)
         lost_stages = [k for k, w in stage_before.items() if w not in d["members"]]
         self.route_w = list(d["route"])
         self.backups_w = {k: list(bs) for k, bs in d["backups"].items()}
-        if self.stage is None and self.shadowing is not None:
+        if self.stage is None and self.shadowing is not None and not go_on:
             self.slots = []
             self.done = P
         self.pending_rows = {s: r for s, r in self.pending_rows.items() if s < P}
         self._rebind_pipe()
+        if go_on:
+            self._resend_figs(P)
         t_fault = min((self.fault_notes.get(w, (math.nan,))[0] for w in gone),
                       default=math.nan)
         detected_after = d["t_detect"] - t_fault if not math.isnan(t_fault) else d["waited_s"]
@@ -1299,7 +1358,7 @@ class ResPipe:
                       "generation": self.gen, "detected_after_s": detected_after,
                       "t0": t_fault if not math.isnan(t_fault) else d["t_detect"]}
                 self._log_event("takeover", P, w_new, stage=k, replaced=stage_before[k],
-                                generation=self.gen, replay_step=P + 1,
+                                generation=self.gen, replay_step=-1 if go_on else P + 1,
                                 lost_updates=P - d["choices"].get(k, P),
                                 detected_after_s=detected_after,
                                 agreement_s=t_comm - d["t_detect"], mode=self.settings.mode)
@@ -1307,7 +1366,9 @@ class ResPipe:
                 if self.progress is not None:
                     self.progress.message(
                         f"takeover: stage {k} ({d['reason']} rank {stage_before[k]}) now served "
-                        f"by rank {w_new}, generation {self.gen}, replaying step {P + 1}")
+                        f"by rank {w_new}, generation {self.gen}, " + (
+                            "finishing the step in flight (no replay)" if go_on
+                            else f"replaying step {P + 1}"))
         self.takeovers += len(lost_stages)
         if d["admit"] >= 0 and self.is_logger:
             self._log_event("rejoined", P, d["admit"], stage=d["admit_stage"],
@@ -1315,7 +1376,10 @@ class ResPipe:
             if self.progress is not None:
                 self.progress.message(f"rank {d['admit']} rejoined as a backup of stage "
                                       f"{d['admit_stage']}, generation {self.gen}")
-        self._resync(P)
+        if go_on:
+            self._go_on()
+        else:
+            self._resync(P)
         if _DEBUG:
             self._say(f"applied at {time.time() % 100:.3f}")
 
@@ -1391,7 +1455,7 @@ class ResPipe:
         """This backup now serves stage k from its replica of step ``count``."""
         slot = next((s for s in self.slots if s.count == count), None)
         params = self._params(k)
-        if self.optimizer is None or getattr(self, "_mirror_of", None) != k:
+        if self.optimizer is None or self._mirror_of != k:
             self.optimizer = self.make_optimizer(params)
         if slot is None:
             raise RuntimeError(f"backup of stage {k} lacks the replica of step {count}")
@@ -1401,6 +1465,47 @@ class ResPipe:
         self.slots = []
         self.snapshot = None
         self._say(f"took over stage {k} at step {P + 1} (replica of step {count})")
+
+    def _promote_mirror(self, k: int) -> None:
+        """This hot mirror now serves stage k from where it stands, its step in flight too."""
+        assert self._mirror_of == k and self.optimizer is not None
+        self.stage, self.shadowing = k, None
+        self.slots = []
+        self.snapshot = None
+        self._say(f"took over stage {k} in step {self.done + 1} (hot, no replay)")
+
+    def _go_on(self) -> None:
+        """After a round that keeps the step in flight: each rank tells the ranks it takes
+        messages from what it holds, then sends its own consumers what they lack."""
+        pipe, t = self.pipe, self.pipe.transport
+        deadline = max(self.settings.deadline_s, 1.0)
+        source = None if self.shadowing is None or self.stage is not None \
+            else self._drank(self.route_w[self.shadowing])
+        mine = pipe.have(self.done).encode()
+        for r in pipe.suppliers(source):
+            t.send(mine, r, kind=CTRL, step=0)
+        theirs = {r: Have.decode(t.recv(torch.empty(4, dtype=torch.int64), r, kind=CTRL,
+                                        step=0, deadline=deadline))
+                  for r in pipe.consumers()}
+        sent = pipe.resume(theirs)
+        if _DEBUG:
+            self._say(f"go on at step {self.done}: holds {pipe.have(self.done)}, "
+                      f"resent {sent} messages")
+
+    def _resend_figs(self, P: int) -> None:
+        """Figures of steps from P on travel again in the new generation (none is replayed):
+        the writer rebuilds those rows from its own and everyone else's."""
+        if self.stage is None:
+            return
+        mine = [f for f in self.recent_figs if int(f[0]) >= P]
+        if not self.is_logger:
+            for figs in mine:
+                self.control.send(_FIGS, self._drank(self.log_w), figs, seq=int(figs[0]))
+            return
+        for figs in mine:
+            row = _Row(int(figs[0]), figs[1], figs[2], self.batch_size)
+            row.ranks[self.wrank] = self._fig_dict(figs)
+            self.pending_rows[row.step] = row
 
     def _merge(self, d: Mapping[str, Any], P: int) -> None:
         """Neighbour takeover: the pipeline loses stage k, whose layers join its holder's.
@@ -1421,6 +1526,7 @@ class ResPipe:
         new = Pipeline(old.module, balance, old.chunks, old.schedule, self.data, route,
                        in_shape=self.in_shape, labels=old.labels, deadline=old.deadline,
                        label_dtype=old.label_dtype)
+        new.after_forward = old.after_forward
         holder = self.route_w[k - 1] if k > 0 else self.route_w[1]
         if self.wrank == holder:
             count = d["choices"][k]
@@ -1462,7 +1568,7 @@ class ResPipe:
             self._take_resync(self.route_w[self.shadowing], self.shadowing, P, t, deadline)
             if self.settings.mode == "hot":
                 params = self._params(self.shadowing)
-                if self.optimizer is None or getattr(self, "_mirror_of", None) != self.shadowing:
+                if self.optimizer is None or self._mirror_of != self.shadowing:
                     self.optimizer = self.make_optimizer(params)
                     self._mirror_of = self.shadowing
                 unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim,
@@ -1581,7 +1687,7 @@ def train(run: Any) -> int:
     s = plain.setup(run)
     cfg, log, progress = run.cfg, run.log, run.progress
     try:
-        Settings.from_config(cfg, s.pipe.k)
+        Settings.from_config(cfg, s.pipe.k, s.pipe.chunks)
     except ValueError as e:
         run.fail(e)
     if run.rank == 0:
