@@ -135,6 +135,42 @@ def test_stall_is_detected_by_deadline_and_the_woken_rank_is_harmless(runs):
             assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
 
 
+HOT = (ONE_BACKUP, "resilience.replicate_every=10", 'resilience.mode="hot"')
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, backups, fault", [
+    ("kill", ONE_BACKUP, "kill:stage=1:step=7:micro=2"),
+    ("stall", ONE_BACKUP, "stall:stage=1:step=7:micro=1:seconds=4"),
+    # stage 0 reads x, sends the labels and writes the log; the last stage takes them
+    ("kill-first", "resilience.backups={0 = 1}", "kill:stage=0:step=7:micro=2"),
+    ("kill-last", "resilience.backups={2 = 1}", "kill:stage=2:step=7:micro=0"),
+])
+def test_a_hot_backup_takes_over_in_the_middle_of_a_step_without_replay(runs, name, backups,
+                                                                         fault):
+    # The stage dies (or stops) right after the forward of one micro-batch of step 7:
+    # its mirror finishes step 7 from where it stands, the others from where they
+    # stopped, and nobody runs a micro-batch of it twice or loses an update.
+    clean, _, clean_ckpt = runs("hot-r10", 4, *HOT)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    result, log, ckpt = runs(f"hot-mid-{name}", 4, *HOT, backups, "resilience.deadline_s=1.5",
+                             f"inject:{fault}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = _open(log)
+    assert run.attrs["status"] == "completed"
+    takeover = run.events_of("takeover")[0]
+    assert takeover["step"] == 7 and takeover["detail"]["replay_step"] == -1
+    assert takeover["detail"]["lost_updates"] == 0
+    assert list(run.steps["step"]) == list(range(1, STEPS + 1))
+    assert run.steps["samples"].sum() == STEPS * BATCH
+    assert np.isfinite(run.steps["loss"]).all(), run.steps["loss"]
+    if name == "stall":
+        assert "has been replaced" in result.stderr
+    for got, want in zip(_params(ckpt), _params(clean_ckpt), strict=True):
+        for key in want:
+            assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
+
+
 @pytest.mark.timeout(600)
 def test_a_replaced_rank_rejoins_as_a_backup_and_takes_over_again(runs):
     # Stage 0 straggles 0.25 s every step so that the run outlasts rank 1's stall: rank 1
@@ -238,7 +274,7 @@ def test_a_resumed_run_with_backups_gives_them_the_checkpoint_and_equals_a_clean
     # Hot mode, R=10: the first run stops at step 12 (stage 2 has no backup) with
     # checkpoints of step 10. The resumed run kills stage 1 at step 15, before any new
     # replica: its mirror must have started from the checkpoint, not the initial weights.
-    hot = (ONE_BACKUP, "resilience.replicate_every=10", 'resilience.mode="hot"')
+    hot = HOT
     clean, _, clean_ckpt = runs("hot-r10", 4, *hot)
     assert clean.returncode == 0, clean.stderr[-3000:]
     first, _, _ = runs("resume-first", 4, *hot, "run.checkpoint_every=10",

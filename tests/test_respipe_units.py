@@ -251,9 +251,102 @@ def test_a_decision_survives_its_trip_as_one_vector() -> None:
     d = {"gen": 3, "P": 41, "lost_stage": -1, "merge": -1, "shrink": 0, "reason": "rejoin",
          "suspect": 1, "t_detect": 1.7e9 + 0.25, "waited_s": 1.7e9, "members": [0, 1, 2, 4, 5],
          "route": [0, 4, 2], "choices": {1: 40}, "silent": [], "admit": 1, "admit_stage": 1,
-         "backups": {0: [5], 1: [1], 2: []}, "log": 2}
+         "backups": {0: [5], 1: [1], 2: []}, "log": 2, "go_on": 1}
     back = read_decision(encode_decision(d))
     assert back.pop("vector") is not None
     assert back == d
     late = dict(d, reason="late", admit=-1, admit_stage=-1, silent=[3], choices={})
     assert read_decision(encode_decision(late))["silent"] == [3]
+
+
+def test_kills_and_stalls_can_fall_inside_a_step() -> None:
+    f = inject.parse("kill:stage=1:step=7:micro=2")
+    assert (f.step, f.micro) == (7, 2) and inject.parse(str(f)) == f
+    assert inject.parse("stall:stage=1:step=7").micro == -1
+    fired: list[int] = []
+    plan = inject.FaultPlan([f], seed=0, stage=1, rank=1, kill=lambda: fired.append(1))
+    assert plan.at_step(7) == 0 and not fired  # not at the start of the step
+    plan.at_step(7, 1)
+    assert not fired
+    plan.at_step(7, 2)
+    plan.at_step(7, 2)  # a finished step is not finished twice, nor killed twice
+    assert fired == [1]
+    with pytest.raises(inject.FaultError, match="micro"):
+        inject.parse("delay:stage=1:p=0.1:seconds=1:micro=0")
+    with pytest.raises(inject.FaultError, match="micro must be >= 0"):
+        inject.parse("kill:stage=1:step=3:micro=-1")
+
+
+def test_a_fault_inside_a_missing_micro_batch_is_a_config_error() -> None:
+    from mpipipe.config import PIPELINE_DEFAULTS, load_config
+    from mpipipe.resilience import Settings
+
+    cfg = load_config(None, ['resilience.inject=["kill:stage=1:step=3:micro=4"]'],
+                      PIPELINE_DEFAULTS)
+    with pytest.raises(ValueError, match=r"micro-batch 4 does not exist \(pipeline.chunks = 4"):
+        Settings.from_config(cfg, 3, 4)
+    assert Settings.from_config(cfg, 3, 5).faults[0].micro == 4
+
+
+def test_what_a_rank_holds_decides_what_it_is_sent_again() -> None:
+    from mpipipe.pipeline import SHADOW_GRAD_MICRO, Have, _has
+    from mpipipe.transport import ACT, EVAL, GRAD, LABEL, SHADOW
+
+    h = Have(step=7, inputs=0b0101, grads=0b0010, labels=True)
+    assert Have.decode(h.encode()) == h
+    assert _has(h, ACT, 7, 0) and not _has(h, ACT, 7, 1) and _has(h, ACT, 7, 2)
+    assert _has(h, GRAD, 7, 1) and not _has(h, GRAD, 7, 0)
+    assert _has(h, SHADOW, 7, 2) and _has(h, SHADOW, 7, SHADOW_GRAD_MICRO + 1)
+    assert not _has(h, SHADOW, 7, SHADOW_GRAD_MICRO)
+    assert _has(h, LABEL, 7, 0) and not _has(Have(7, 0, 0, False), LABEL, 7, 0)
+    assert _has(h, ACT, 6, 3) and not _has(h, ACT, 8, 0)  # all of before, none of after
+    assert not _has(h, EVAL, 3, 0) and not _has(None, ACT, 0, 0)
+
+
+def _heard(done: int, kind: int = 0, index: int = 0, records_from: int | None = None,
+           eval_pending: bool = False, resumable: bool = True) -> list[float]:
+    """A round announcement: [gen, rank, kind, index, done, ..., eval, records_from, resumable]."""
+    v = [0.0] * 15
+    v[2], v[3], v[4] = kind, index, done
+    v[12], v[13], v[14] = float(eval_pending), done - 1 if records_from is None else records_from, \
+        float(resumable)
+    return v
+
+
+def _respipe_for_rounds(mode: str = "hot"):
+    from types import SimpleNamespace
+
+    from mpipipe.resilience import ResPipe, Settings
+
+    r = ResPipe.__new__(ResPipe)
+    r.settings = Settings(backups={1: 1}, mode=mode)
+    r.pipe = SimpleNamespace(labels="travel")
+    r.evaluate_fn, r.total, r.eval_every = (lambda pipe: None), 20, 10
+    return r
+
+
+def test_a_round_finishes_the_step_in_flight_only_when_every_rank_can() -> None:
+    # Stages 0, 2 on ranks 0, 2; stage 1 (rank 1) died; rank 3, its mirror, serves it.
+    route, backups, promoted = [0, 3, 2], {0: [], 1: [], 2: []}, {1: 3}
+
+    def heard(changes=None):
+        h = {0: _heard(7), 2: _heard(7), 3: _heard(7, kind=1, index=1)}
+        h.update(changes or {})
+        return h
+
+    r = _respipe_for_rounds()
+    assert r._can_go_on(heard(), route, backups, promoted)
+    # stage 0 finished step 7 and keeps its messages: it can send the mirror what it lacks
+    assert r._can_go_on(heard({0: _heard(8)}), route, backups, promoted)
+    # ... but not when it kept none of step 7 (its consumer is still in it)
+    assert not r._can_go_on(heard({0: _heard(8, records_from=8)}), route, backups, promoted)
+    # an evaluation under way, or one that some ranks have passed and others not
+    assert not r._can_go_on(heard({2: _heard(7, eval_pending=True)}), route, backups,
+                            promoted)
+    assert not r._can_go_on(heard({0: _heard(10), 2: _heard(10), 3: _heard(9, 1, 1)}),
+                            route, backups, promoted)
+    # the promoted backup must be a mirror of the stage it takes over
+    assert not r._can_go_on(heard({3: _heard(7, kind=1, index=2)}), route, backups, promoted)
+    assert not r._can_go_on(heard({3: _heard(7, 1, 1, resumable=False)}), route, backups,
+                            promoted)
+    assert not _respipe_for_rounds("cold")._can_go_on(heard(), route, backups, promoted)
