@@ -16,6 +16,10 @@ ratio or a time relative to its own run, because the machine is shared and noisy
 - recovery_s: from the SIGKILL of stage 1 (R=10, one backup per stage) to the next
   completed step; final_accuracy_kill against final_accuracy_clean (same run without
   the kill); baseline_kill_outcome: what the plain pipeline did with the same kill
+- recovery_s_hot, final_accuracy_kill_hot: the same kill in hot mode, placed in the
+  middle of a step (after the forward of micro-batch 1): the mirror finishes the step
+  in flight, nothing is replayed (hot_replayed_steps: 0), against final_accuracy_hot
+  of the failure-free hot run
 - stall_recovery_steps: from the stall of stage 1 to the next completed step, in
   median step times (deadline = 2 x median step time)
 - time_to_accuracy_respipe / _baseline: seconds to reach the accuracy target when
@@ -115,6 +119,8 @@ def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Pa
         "hot": (6, (ALL, "resilience.replicate_every=10", 'resilience.mode="hot"'), True),
         "kill": (6, (ALL, "resilience.replicate_every=10", f"inject:kill:stage=1:step={kill_at}"),
                  True),
+        "hot_kill": (6, (ALL, "resilience.replicate_every=10", 'resilience.mode="hot"',
+                         f"inject:kill:stage=1:step={kill_at}:micro=1"), True),
         "plain_kill": (3, (NONE, f"inject:kill:stage=1:step={kill_at}"), True),
         "stall": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=2",
                       f"inject:stall:stage=1:step={stall_at}:seconds=3"), True),
@@ -144,6 +150,7 @@ def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Pa
     base = step_s("plain")
     stall = _event(logs["stall"], "takeover_recovered")
     kill = _event(logs["kill"], "takeover_recovered")
+    hot_kill = _event(logs["hot_kill"], "takeover_recovered")
     figures = {
         "overhead_r1": step_s("r1") / base - 1,
         "overhead_r10": step_s("r10") / base - 1,
@@ -151,6 +158,10 @@ def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Pa
         "recovery_s": kill.get("recovery_s", math.nan),
         "final_accuracy_kill": _final_accuracy(logs["kill"]),
         "final_accuracy_clean": _final_accuracy(logs["r10"]),
+        "recovery_s_hot": hot_kill.get("recovery_s", math.nan),
+        "final_accuracy_kill_hot": _final_accuracy(logs["hot_kill"]),
+        "final_accuracy_hot": _final_accuracy(logs["hot"]),
+        "hot_replayed_steps": int(_event(logs["hot_kill"], "takeover").get("replay_step", 0) >= 0),
         "baseline_kill_outcome": _outcome(results["plain_kill"], logs["plain_kill"]),
         "stall_recovery_steps": stall.get("recovery_s", math.nan) / step_s("r10"),
         "time_to_accuracy_respipe": _time_to(logs["delay"], TARGET),
