@@ -43,8 +43,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--inject", metavar="SPEC", action="append", default=[],
-        help="inject a fault (repeatable): kill:stage=K:step=S, stall:stage=K:step=S[:seconds=T], "
-             "delay:stage=K:p=P:seconds=T, slow:rank=R:step=S:factor=F",
+        help="inject a fault (repeatable): kill:stage=K:step=S[:micro=M], "
+             "stall:stage=K:step=S[:micro=M][:seconds=T], delay:stage=K:p=P:seconds=T, "
+             "slow:rank=R:step=S:factor=F (micro=M: inside step S, after the forward of "
+             "micro-batch M)",
     )
     parser.add_argument("--resume", metavar="DIR", help="continue from the checkpoints in DIR")
     parser.add_argument("--quiet", action="store_true", help="no progress display (the summary line stays)")

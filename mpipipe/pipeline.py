@@ -360,6 +360,7 @@ class Pipeline:
         if last and st.ys is not None and not st.total:
             st.total = sum(len(v) for v in st.ys)
         todo = actions(self.schedule, stage, self.k, m)
+        keep = self.resumable  # what was sent stays, to be sent again after a takeover
         while st.pos < len(todo):
             op, i = todo[st.pos]
             if op == "F":
@@ -382,7 +383,7 @@ class Pipeline:
                     assert st.ys is not None
                     out = loss_fn(out, st.ys[i]) * (len(st.ys[i]) / st.total)
                     st.loss_sum += float(out.detach())
-                else:
+                elif keep:
                     st.outs[i] = out.detach()
                 st.saved[i] = (inp, out)
                 st.pos += 1
@@ -409,9 +410,13 @@ class Pipeline:
                     out.backward(grad)
                 del st.saved[i]
                 st.pos += 1
+                if not keep:  # 1F1B's point: hold the tensors of in-flight micro-batches only
+                    st.inputs.pop(i, None)
+                    st.grads.pop(i, None)
                 if not first:
                     g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                    st.gins[i] = g
+                    if keep:
+                        st.gins[i] = g
                     if source is None:
                         self._emit(g, ranks[stage - 1], GRAD, st.step, i)
         t.flush(deadline)
