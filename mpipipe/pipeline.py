@@ -188,6 +188,8 @@ class Pipeline:
         self.inflight: StepState | None = None
         self.last_state: StepState | None = None
         self.peer_have: dict[int, Have] = {}
+        self._resent: set[tuple[int, int, int, int]] = set()  # (dest, kind, step, micro)
+        self._resuming = False
         # Called with (step, micro) after each forward of a stage (fault injection).
         self.after_forward: Callable[[int, int], object] | None = None
         self.comm = comm
@@ -220,7 +222,7 @@ class Pipeline:
             self.transport.bytes_recv.update(old.bytes_recv)
         self.transport.wait_s = old.wait_s
         self.comm, self.route = comm, route
-        self.peer_have = {}
+        self.peer_have, self._resent = {}, set()
         self.rank = comm.Get_rank()  # type: ignore[attr-defined]
         self.stage = route.stage_of(self.rank)
 
@@ -423,9 +425,13 @@ class Pipeline:
 
     # -- finishing a step after a takeover (hot backups) -------------------------------
     def _emit(self, tensor: torch.Tensor, dest: int, kind: int, step: int, micro: int) -> None:
-        """Send unless `dest` said it already has this message (see :meth:`resume`)."""
-        if self.peer_have and _has(self.peer_have.get(dest), kind, step, micro):
-            return
+        """Send unless `dest` has this message: it said so, or :meth:`resume` sent it."""
+        if self.peer_have:
+            key = (dest, kind, step, micro)
+            if _has(self.peer_have.get(dest), kind, step, micro) or key in self._resent:
+                return
+            if self._resuming:
+                self._resent.add(key)
         self.transport.send(tensor, dest, kind=kind, step=step, micro=micro)
 
     def have(self, step: int) -> Have:
@@ -474,31 +480,37 @@ class Pipeline:
             PeerFailed: a consumer is dead (a new round follows).
         """
         self.peer_have = dict(peer_have)
+        # A relay is sent before its action counts as done: redoing the action must not
+        # send again what this resend delivers.
+        self._resent, self._resuming = set(), True
         sent = self.transport.pending()
         j, ranks = self.stage, self.route.ranks
-        for st in (self.last_state, self.inflight):
-            if st is None or j is None or st.stage != j:
-                continue
-            if j < self.k - 1:
-                for i, o in st.outs.items():
-                    self._emit(o, ranks[j + 1], ACT, st.step, i)
-            if j > 0:
-                for i, g in st.gins.items():
-                    self._emit(g, ranks[j - 1], GRAD, st.step, i)
-            if j == 0 and st.y is not None and self.k > 1 and self.labels == "travel":
-                self._emit(st.y, ranks[-1], LABEL, st.step, 0)
-            for r in self.route.shadows_of(j):
-                for i, inp in st.inputs.items():
-                    self._emit(inp, r, SHADOW, st.step, i)
-                for i, g in st.grads.items() if self.relay_grads else ():
-                    self._emit(g, r, SHADOW, st.step, SHADOW_GRAD_MICRO + i)
+        try:
+            for st in (self.last_state, self.inflight):
+                if st is None or j is None or st.stage != j:
+                    continue
+                if j < self.k - 1:
+                    for i, o in st.outs.items():
+                        self._emit(o, ranks[j + 1], ACT, st.step, i)
+                if j > 0:
+                    for i, g in st.gins.items():
+                        self._emit(g, ranks[j - 1], GRAD, st.step, i)
+                if j == 0 and st.y is not None and self.k > 1 and self.labels == "travel":
+                    self._emit(st.y, ranks[-1], LABEL, st.step, 0)
+                for r in self.route.shadows_of(j):
+                    for i, inp in st.inputs.items():
+                        self._emit(inp, r, SHADOW, st.step, i)
+                    for i, g in st.grads.items() if self.relay_grads else ():
+                        self._emit(g, r, SHADOW, st.step, SHADOW_GRAD_MICRO + i)
+        finally:
+            self._resuming = False
         return self.transport.pending() - sent
 
     def abandon(self) -> None:
         """Forget an interrupted step (it will be replayed from its start)."""
         self.inflight = None
         self.last_state = None
-        self.peer_have = {}
+        self.peer_have, self._resent = {}, set()
 
     def _labels(self, y: torch.Tensor | None, step_no: int, micro: int, kind: int
                 ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:

@@ -374,7 +374,10 @@ class ResPipe:
         self.optimizer: torch.optim.Optimizer | None = None
         self._mirror_of: int | None = None  # hot: the stage whose optimizer self.optimizer is
         self._mirror_snap: _Slot | None = None  # hot: the mirror's state before its step
-        self._eval_pending = False  # an evaluation is due at self.done and not yet over
+        # True from an applied update until the step's replica, figures, evaluation and
+        # checkpoint are done: a round then replays (that work is not resumable).
+        self._after_step = False
+        self.prev_snapshot: _Slot | None = None  # the snapshot before self.snapshot
         self.faults = FaultPlan(self.settings.faults, seed=int(cfg["run"]["seed"]),
                                 stage=self.stage, rank=self.wrank, on_fire=self._fault_fired)
         self.step_times: deque[float] = deque(maxlen=21)
@@ -575,10 +578,16 @@ class ResPipe:
         self.data.Barrier()
         t_start = time.time()
         self.eval_every = eval_every
+        rnd: _Round | None = None
         while True:
             try:
                 try:
-                    if self.stage is not None:
+                    if rnd is not None:
+                        # A failure while a round is applied (a replica re-sync, or what
+                        # ranks hold after it) starts the next round on the new route.
+                        now, rnd = rnd, None
+                        self._recover(now)
+                    elif self.stage is not None:
                         if self.done >= total_steps:
                             break
                         self._stage_step()
@@ -586,9 +595,9 @@ class ResPipe:
                         if self._backup_wait(total_steps):
                             break
                 except (Late, PeerFailed) as e:
-                    self._recover(self._round_from(e))
+                    rnd = self._round_from(e)
                 except _RoundStarted as e:
-                    self._recover(e.round)
+                    rnd = e.round
             except Demoted as e:
                 self._leave_log(e.generation)
                 if not self._rejoin(e):
@@ -716,6 +725,7 @@ class ResPipe:
         self.backups_w = {j: list(bs) for j, bs in d["backups"].items()}
         self.stage, self.shadowing = None, k
         self.optimizer, self.snapshot, self.slots = None, None, []
+        self.prev_snapshot = None
         self.done = P
         self.pending_rows, self._early = {}, {}
         self.pipe.abandon()
@@ -749,6 +759,10 @@ class ResPipe:
         if _DEBUG and self.gen and s <= self._gen_step + 1:
             self._say(f"step {s} start at {time.time() % 100:.3f}, data {time.perf_counter() - ta:.3f}")
         if self._rollback_possible():
+            # Two kept: after a round that went on, a later one may roll back to the step
+            # before (a mirror that was a step behind sets P).
+            if self.snapshot is not None and self.snapshot.count != self.done:
+                self.prev_snapshot = self.snapshot
             self.snapshot = _Slot(pack_state(self._params(self.stage), opt, self.optim,
                                              self.momentum), self.done)
         pipe.deadline = self._deadline()
@@ -762,7 +776,7 @@ class ResPipe:
         set_rate_for_step(opt, self.cfg["optim"], s, self.total)
         opt.step()
         self.done = s + 1
-        self._eval_pending = self._eval_point(self.done)
+        self._after_step = True
         self._replicate()
         self.step_times.append(time.perf_counter() - t0 - slept)
         if _DEBUG and self.gen and s <= self._gen_step + 1:
@@ -774,11 +788,11 @@ class ResPipe:
         self._report(s, figs)
         if self._eval_point(self.done) or self.done == self.total:
             self._evaluate()
-            self._eval_pending = False
         every = int(self.cfg["run"].get("checkpoint_every", 0))
         if self.checkpoint_dir is not None and (
                 self.done == self.total or (every and self.done % every == 0)):
             self._checkpoint()
+        self._after_step = False
 
     def _checkpoint(self) -> None:
         """This stage writes its own file (atomically); no barrier, so no rank can hang on it."""
@@ -1010,15 +1024,8 @@ class ResPipe:
         pipe, t = self.pipe, self.pipe.transport
         s = self.done
         params = self._params(k)
-        if self.optimizer is None or self._mirror_of != k:
-            # A new mirror starts from the replica it holds (of step 0, or of a resumed
-            # run's checkpoint), optimizer state included.
-            self.optimizer = self.make_optimizer(params)
-            self._mirror_of = k
-            pipe.abandon()
-            if self.slots:
-                unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim,
-                             self.momentum, self.slots[-1].count)
+        self._start_mirror(k)
+        assert self.optimizer is not None
         st = pipe.inflight
         if st is None or st.step != s or st.stage != k:
             # Wait (briefly, so END and announcements are seen) for the step's first
@@ -1047,9 +1054,24 @@ class ResPipe:
                          t.total_recv, self.wrank])
         if self.done % self.settings.replicate_every == 0:
             # The periodic replica guards the mirror against drift; it replaces the state.
+            self._after_step = True
             self._take_replica(stage_w, k, self.done, t)
             unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim, self.momentum,
                          self.done)
+            self._after_step = False
+
+    def _start_mirror(self, k: int) -> None:
+        """A new mirror of stage k starts from the replica it holds (of step 0, or of a
+        resumed run's checkpoint), optimizer state included."""
+        if self.optimizer is not None and self._mirror_of == k:
+            return
+        params = self._params(k)
+        self.optimizer = self.make_optimizer(params)
+        self._mirror_of = k
+        self.pipe.abandon()
+        if self.slots:
+            unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim,
+                         self.momentum, self.slots[-1].count)
 
     # -- rounds: detection, agreement, takeover ----------------------------------------
     def _state_vector(self, rnd: _Round) -> list[float]:
@@ -1069,7 +1091,7 @@ class ResPipe:
             else self.done  # the oldest step whose messages this rank can send again
         return [self.gen, self.wrank, kind, index, self.done, latest, prev,
                 {v: k for k, v in _REASONS.items()}[rnd.reason], rnd.suspect, rnd.t_detect,
-                float(dead), rnd.waited_s, float(self._eval_pending), records_from,
+                float(dead), rnd.waited_s, float(self._after_step), records_from,
                 float(self.pipe.resumable)]
 
     def _recover(self, rnd: _Round) -> None:
@@ -1221,8 +1243,10 @@ class ResPipe:
 
         Yes when every promoted backup is a hot mirror of its stage; every rank keeps
         the messages of each step a consumer of it may still lack (it holds the steps
-        from ``records_from``); no evaluation is under way or would be met by some
-        ranks only; and every rank can resume. Otherwise the round replays a step.
+        from ``records_from``); the ranks are at most one step apart; no rank is
+        between applying an update and finishing that step's replica, figures,
+        evaluation and checkpoint (``_after_step``), and no evaluation would be met
+        by some ranks only; and every rank can resume. Otherwise the round replays a step.
         """
         if self.settings.mode != "hot":
             return False
@@ -1230,6 +1254,11 @@ class ResPipe:
         if any(len(heard[w]) < 15 or not heard[w][14] or heard[w][12] for w in ranks):
             return False
         if any(int(heard[b][2]) != 1 or int(heard[b][3]) != k for k, b in promoted.items()):
+            return False
+        # Another mirror of a promoted stage must stand where the promoted one does: the
+        # new stage's next replica would otherwise go to a mirror that took it already.
+        if any(int(heard[o][4]) != int(heard[b][4]) for k, b in promoted.items()
+               for o in backups.get(k, [])):
             return False
         k_count = len(route)
         for j, w in enumerate(route):
@@ -1243,6 +1272,8 @@ class ResPipe:
             if any(int(heard[c][4]) < int(heard[w][13]) for c in consumers):
                 return False
         steps = [int(heard[w][4]) for w in route]
+        if max(steps) - min(steps) > 1:  # the log rebuilds the rows of the steps from P on
+            return False
         return not any(self._eval_point(s) for s in range(min(steps) + 1, max(steps) + 1))
 
     def _eval_point(self, done: int) -> bool:
@@ -1316,13 +1347,15 @@ class ResPipe:
         if not go_on:  # the step is replayed from its start
             self.pipe.abandon()
             self.pipe.zero_grad()
-            self._eval_pending = False
+            self._after_step = False
         # Roll back a step this rank completed beyond P (its snapshot holds step P).
         if not go_on and self.stage is not None and self.done > P:
-            if self.snapshot is None or self.snapshot.count != P:
+            snap = next((x for x in (self.snapshot, self.prev_snapshot)
+                         if x is not None and x.count == P), None)
+            if snap is None:
                 raise RuntimeError(f"cannot roll back from step {self.done} to {P}")
             assert self.optimizer is not None
-            unpack_state(self.snapshot.flat, self._params(self.stage), self.optimizer,
+            unpack_state(snap.flat, self._params(self.stage), self.optimizer,
                          self.optim, self.momentum, P)
             self.done = P
         if d["merge"] >= 0:
@@ -1463,15 +1496,15 @@ class ResPipe:
         self.stage, self.shadowing = k, None
         self.done = P
         self.slots = []
-        self.snapshot = None
+        self.snapshot = self.prev_snapshot = None
         self._say(f"took over stage {k} at step {P + 1} (replica of step {count})")
 
     def _promote_mirror(self, k: int) -> None:
         """This hot mirror now serves stage k from where it stands, its step in flight too."""
-        assert self._mirror_of == k and self.optimizer is not None
+        self._start_mirror(k)  # a backup that has not mirrored a step yet starts now
         self.stage, self.shadowing = k, None
         self.slots = []
-        self.snapshot = None
+        self.snapshot = self.prev_snapshot = None
         self._say(f"took over stage {k} in step {self.done + 1} (hot, no replay)")
 
     def _go_on(self) -> None:
@@ -1546,7 +1579,7 @@ class ResPipe:
             self._say(f"took over stage {k} into its own (replica of step {count})")
         self.pipe = new
         self.stage = d["route"].index(self.wrank) if self.wrank in d["route"] else None
-        self.snapshot = None
+        self.snapshot = self.prev_snapshot = None
         self.ward_slots = {}
 
     def _resync(self, P: int) -> None:

@@ -304,11 +304,11 @@ def test_what_a_rank_holds_decides_what_it_is_sent_again() -> None:
 
 
 def _heard(done: int, kind: int = 0, index: int = 0, records_from: int | None = None,
-           eval_pending: bool = False, resumable: bool = True) -> list[float]:
-    """A round announcement: [gen, rank, kind, index, done, ..., eval, records_from, resumable]."""
+           after_step: bool = False, resumable: bool = True) -> list[float]:
+    """A round announcement: [gen, rank, kind, index, done, ..., after_step, records_from, resumable]."""
     v = [0.0] * 15
     v[2], v[3], v[4] = kind, index, done
-    v[12], v[13], v[14] = float(eval_pending), done - 1 if records_from is None else records_from, \
+    v[12], v[13], v[14] = float(after_step), done - 1 if records_from is None else records_from, \
         float(resumable)
     return v
 
@@ -340,8 +340,9 @@ def test_a_round_finishes_the_step_in_flight_only_when_every_rank_can() -> None:
     assert r._can_go_on(heard({0: _heard(8)}), route, backups, promoted)
     # ... but not when it kept none of step 7 (its consumer is still in it)
     assert not r._can_go_on(heard({0: _heard(8, records_from=8)}), route, backups, promoted)
-    # an evaluation under way, or one that some ranks have passed and others not
-    assert not r._can_go_on(heard({2: _heard(7, eval_pending=True)}), route, backups,
+    # a rank still at a step's after-work (replica, figures, evaluation, checkpoint), or
+    # an evaluation that some ranks have passed and others not
+    assert not r._can_go_on(heard({2: _heard(7, after_step=True)}), route, backups,
                             promoted)
     assert not r._can_go_on(heard({0: _heard(10), 2: _heard(10), 3: _heard(9, 1, 1)}),
                             route, backups, promoted)
@@ -350,3 +351,6 @@ def test_a_round_finishes_the_step_in_flight_only_when_every_rank_can() -> None:
     assert not r._can_go_on(heard({3: _heard(7, 1, 1, resumable=False)}), route, backups,
                             promoted)
     assert not _respipe_for_rounds("cold")._can_go_on(heard(), route, backups, promoted)
+    # ranks two steps apart (the mirror behind; others could hold it, the log could not)
+    far = {0: _heard(8, records_from=6), 2: _heard(8, records_from=6), 3: _heard(6, 1, 1)}
+    assert not r._can_go_on(far, route, backups, promoted)
