@@ -13,7 +13,8 @@ from .partition import split
 from .schedule import actions
 from .transport import ACT, EVAL, GRAD, LABEL, SHADOW, Transport
 
-__all__ = ["Pipeline", "Route", "StepState", "Have", "EVAL_LABEL_MICRO", "SHADOW_GRAD_MICRO"]
+__all__ = ["Pipeline", "Route", "StepState", "Have", "stage_consumers", "EVAL_LABEL_MICRO",
+           "SHADOW_GRAD_MICRO"]
 
 # Evaluation labels travel with kind EVAL and this micro index, which no micro-batch uses.
 EVAL_LABEL_MICRO = 1023
@@ -81,9 +82,21 @@ def _has(h: Have | None, kind: int, step: int, micro: int) -> bool:
         return h.labels
     if kind == GRAD or (kind == SHADOW and micro >= SHADOW_GRAD_MICRO):
         return bool(h.grads >> (micro % SHADOW_GRAD_MICRO) & 1)
-    if kind in (ACT, SHADOW):
-        return bool(h.inputs >> micro & 1)
-    return False
+    return bool(h.inputs >> micro & 1)  # ACT, or SHADOW of an input
+
+
+def stage_consumers(stage: int, ranks: Sequence[int], shadows: Sequence[int],
+                    labels: str) -> set[int]:
+    """The ranks that take stage `stage`'s messages in a step, on a route of `ranks`:
+    its neighbours, its `shadows` (hot mirrors), and the last stage when labels travel."""
+    out = set(shadows)
+    if stage > 0:
+        out.add(ranks[stage - 1])
+    if stage < len(ranks) - 1:
+        out.add(ranks[stage + 1])
+        if stage == 0 and labels == "travel":
+            out.add(ranks[-1])
+    return out
 
 
 @dataclass(frozen=True)
@@ -458,15 +471,8 @@ class Pipeline:
         """The ranks that consume this rank's messages in a step (stages and mirrors)."""
         if self.stage is None:
             return []
-        j, ranks = self.stage, self.route.ranks
-        out = set(self.route.shadows_of(j))
-        if j > 0:
-            out.add(ranks[j - 1])
-        if j < self.k - 1:
-            out.add(ranks[j + 1])
-            if j == 0 and self.labels == "travel":
-                out.add(ranks[-1])
-        return sorted(out)
+        return sorted(stage_consumers(self.stage, self.route.ranks,
+                                      self.route.shadows_of(self.stage), self.labels))
 
     def resume(self, peer_have: Mapping[int, Have]) -> int:
         """After a takeover: send each consumer what it lacks of the steps this rank holds.

@@ -44,7 +44,7 @@ from .checkpoint import CheckpointError
 from .costmodel import predict, stage_shapes
 from .inject import Fault, FaultPlan
 from .lr import set_rate_for_step
-from .pipeline import SHADOW_GRAD_MICRO, Have, Pipeline, Route
+from .pipeline import SHADOW_GRAD_MICRO, Have, Pipeline, Route, stage_consumers
 from .replica import pack_state, replica_numel, unpack_state
 from .runlog import LogError
 from .transport import CTRL, REPLICA, SHADOW, Late, PeerFailed, pause
@@ -782,10 +782,7 @@ class ResPipe:
         if _DEBUG and self.gen and s <= self._gen_step + 1:
             self._say(f"step {s}: {time.perf_counter() - t0:.3f} s (compute "
                       f"{pipe.last_compute_s:.3f}, wait {pipe.last_wait_s:.3f})")
-        t = pipe.transport
-        figs = [s, time.time(), math.nan if loss is None else loss, pipe.last_compute_s,
-                t.wait_s, t.total_sent, t.total_recv, self.wrank]
-        self._report(s, figs)
+        self._report(s, self._step_figs(s, loss))
         if self._eval_point(self.done) or self.done == self.total:
             self._evaluate()
         every = int(self.cfg["run"].get("checkpoint_every", 0))
@@ -854,6 +851,13 @@ class ResPipe:
         for old in sorted(k for k in self.pending_rows if k < s):
             self._write_row(old)
         self._close_open_events(figs[1])
+
+    def _step_figs(self, s: int, loss: float | None) -> list[float]:
+        """Step ``s``'s figures as they travel: step, time, loss, compute_s, wait_s, bytes
+        sent and received, world rank."""
+        t = self.pipe.transport
+        return [s, time.time(), math.nan if loss is None else loss, self.pipe.last_compute_s,
+                t.wait_s, t.total_sent, t.total_recv, self.wrank]
 
     def _keep_figs(self, figs: list[float]) -> None:
         # a replayed step's figures replace those of its rolled-back run
@@ -1038,7 +1042,6 @@ class ResPipe:
         pipe.deadline = self._deadline()
         pipe.boundary_shapes(self.in_shape)
         t.reset_counters()
-        t0 = time.perf_counter()
         y = self.batch_of(s)[1] if k == pipe.k - 1 else None
         loss = pipe.step(None, y, self.loss_fn, step=s, mirror=(k, self._drank(stage_w)))
         set_rate_for_step(self.optimizer, self.cfg["optim"], s, self.total)
@@ -1049,9 +1052,7 @@ class ResPipe:
         self.slots = [snap, _Slot(pack_state(params, self.optimizer, self.optim,
                                              self.momentum), self.done)]
         # Kept in case this mirror takes over before the stage's figures reach the log.
-        self._keep_figs([s, time.time(), math.nan if loss is None else loss,
-                         time.perf_counter() - t0 - t.wait_s, t.wait_s, t.total_sent,
-                         t.total_recv, self.wrank])
+        self._keep_figs(self._step_figs(s, loss))
         if self.done % self.settings.replicate_every == 0:
             # The periodic replica guards the mirror against drift; it replaces the state.
             self._after_step = True
@@ -1260,15 +1261,8 @@ class ResPipe:
         if any(int(heard[o][4]) != int(heard[b][4]) for k, b in promoted.items()
                for o in backups.get(k, [])):
             return False
-        k_count = len(route)
         for j, w in enumerate(route):
-            consumers = set(backups.get(j, []))
-            if j > 0:
-                consumers.add(route[j - 1])
-            if j < k_count - 1:
-                consumers.add(route[j + 1])
-                if j == 0 and self.pipe.labels == "travel":
-                    consumers.add(route[-1])
+            consumers = stage_consumers(j, route, backups.get(j, []), self.pipe.labels)
             if any(int(heard[c][4]) < int(heard[w][13]) for c in consumers):
                 return False
         steps = [int(heard[w][4]) for w in route]
@@ -1374,8 +1368,10 @@ class ResPipe:
             self.done = P
         self.pending_rows = {s: r for s, r in self.pending_rows.items() if s < P}
         self._rebind_pipe()
-        if go_on:
-            self._resend_figs(P)
+        if go_on and self.stage is not None:
+            # Nothing is replayed: the rows of the steps from P on are rebuilt in the new
+            # generation from the figures every stage sends again.
+            self._figs_again(lambda s: s >= P)
         t_fault = min((self.fault_notes.get(w, (math.nan,))[0] for w in gone),
                       default=math.nan)
         detected_after = d["t_detect"] - t_fault if not math.isnan(t_fault) else d["waited_s"]
@@ -1432,10 +1428,7 @@ class ResPipe:
         senders = [w for w in self.route_w if w in self.members and w != self.log_w]
         if self.log_w != self.wrank:
             if self.wrank in senders:
-                for figs in self.recent_figs:
-                    if int(figs[0]) < P:
-                        self.control.send(_FIGS, self._drank(self.log_w), figs,
-                                          seq=int(figs[0]))
+                self._figs_again(lambda s: s < P)
             return
         if self.log is not None:
             def let_go() -> bool:  # asked until it says yes (RunLog keeps the answer)
@@ -1452,13 +1445,8 @@ class ResPipe:
         if self.progress is not None:
             self.progress.enabled = True
         self.pending_rows, self._rebuilt = {}, {}
-        for figs in self.recent_figs:
-            s = int(figs[0])
-            if s < P:
-                row = _Row(s, figs[1], figs[2], self.batch_size)
-                row.ranks[self.wrank] = self._fig_dict(figs)
-                self.pending_rows[s] = row
-                self._rebuilt[s] = senders
+        for s in self._figs_again(lambda s: s < P):
+            self._rebuilt[s] = senders
         self._log_event("log_writer_moved", P, self.wrank, previous=old,
                         why="the previous writer left the job (failed or replaced)")
         if self.progress is not None:
@@ -1525,20 +1513,19 @@ class ResPipe:
             self._say(f"go on at step {self.done}: holds {pipe.have(self.done)}, "
                       f"resent {sent} messages")
 
-    def _resend_figs(self, P: int) -> None:
-        """Figures of steps from P on travel again in the new generation (none is replayed):
-        the writer rebuilds those rows from its own and everyone else's."""
-        if self.stage is None:
-            return
-        mine = [f for f in self.recent_figs if int(f[0]) >= P]
+    def _figs_again(self, wanted: Callable[[int], bool]) -> list[int]:
+        """This rank's kept figures of the ``wanted`` steps go to the writer again; the
+        writer starts those rows from its own. Returns the steps of the rows started."""
+        mine = [f for f in self.recent_figs if wanted(int(f[0]))]
         if not self.is_logger:
             for figs in mine:
                 self.control.send(_FIGS, self._drank(self.log_w), figs, seq=int(figs[0]))
-            return
+            return []
         for figs in mine:
             row = _Row(int(figs[0]), figs[1], figs[2], self.batch_size)
             row.ranks[self.wrank] = self._fig_dict(figs)
             self.pending_rows[row.step] = row
+        return [int(f[0]) for f in mine]
 
     def _merge(self, d: Mapping[str, Any], P: int) -> None:
         """Neighbour takeover: the pipeline loses stage k, whose layers join its holder's.
