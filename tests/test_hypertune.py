@@ -341,3 +341,15 @@ def test_after_a_speed_change_the_tuner_settles_once_at_the_lower_bar(settle_thr
     n = len(tr.log.retunes)
     _turn(tr, {**slower, 0: StepModel(0.0, 0.00132)})
     assert len(tr.log.retunes) == n
+
+
+def test_launch_plan_rejects_a_fault_inside_a_micro_batch() -> None:
+    from mpipipe.config import load_config
+    from mpipipe.roles import PlanError
+    from stannis.config import STANNIS_DEFAULTS, stannis_plan
+
+    cfg = load_config(None, ['stannis.inject=["kill:rank=2:step=3:micro=1"]'], STANNIS_DEFAULTS)
+    with pytest.raises(PlanError, match="Stannis steps have no micro-batches; drop micro="):
+        stannis_plan(cfg, 5)
+    stannis_plan(load_config(None, ['stannis.inject=["kill:rank=2:step=3"]'],
+                             STANNIS_DEFAULTS), 5)
