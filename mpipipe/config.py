@@ -29,7 +29,7 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {
         "seed": 0,  # seeds torch, the sampler and fault injection
         "steps": 300,  # optimizer steps to train (0: use epochs)
-        "epochs": 0,  # if > 0 and steps == 0: train this many epochs
+        "epochs": 0,  # if > 0 and steps == 0: train this many epochs (batches counted with data.drop_last)
         "eval_every": 50,  # evaluate on the test split every N steps (0: only at the end)
         "log_every": 10,  # plain progress line every N steps when not on a terminal
         "checkpoint_every": 0,  # save every N steps (0: never)
