@@ -49,6 +49,33 @@ def test_bad_config_names_the_key(tmp_path, text, overrides, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("text,overrides,defaults,message", [
+    ("[pipeline]\nchunkz = 4\n", [], None, "unknown key 'pipeline.chunkz': did you mean 'pipeline.chunks'?"),
+    ("", ["pipeline.chunkz=4"], None, "unknown key 'pipeline.chunkz': did you mean 'pipeline.chunks'?"),
+    ("[optimizer]\nlr = 1\n", [], None, "unknown section [optimizer]: did you mean [optim]?"),
+    ("", ["pipelin.chunks=4"], None, "unknown section [pipelin]: did you mean [pipeline]?"),
+    # the right key in the wrong section
+    ("[run]\nbatch_size = 8\n", [], None, "unknown key 'run.batch_size': did you mean 'data.batch_size'?"),
+    ("", ["run.drop_last=false"], None, "did you mean 'data.drop_last'?"),
+    # Stannis's own keys
+    ("", ["stannis.injct=[]"], "stannis", "unknown key 'stannis.injct': did you mean 'stannis.inject'?"),
+    ("", ["run.epochs=2"], "stannis", "unknown key 'run.epochs' (known in [run]:"),  # no epochs in Stannis
+])
+def test_unknown_names_suggest_the_nearest_known_one(tmp_path, text, overrides, defaults, message):
+    from stannis.config import STANNIS_DEFAULTS
+
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), overrides, STANNIS_DEFAULTS if defaults else PIPELINE_DEFAULTS)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["run.nope", "zzz.q", "data.xyzzy"])
+def test_nothing_is_suggested_when_nothing_is_near(name):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{name}=1"])
+    assert "did you mean" not in str(err.value) and "unknown" in str(err.value)
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
