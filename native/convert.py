@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import zipfile
 from collections.abc import Sequence
@@ -600,7 +601,9 @@ def convert(args: argparse.Namespace) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # only there can Python catch signals
+        handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     written: list[Path] = []
     try:
         t0 = time.perf_counter()
