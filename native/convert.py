@@ -504,8 +504,9 @@ def load(args: argparse.Namespace) -> tuple[tuple[np.ndarray, np.ndarray], tuple
         te.sort()
         train, test = (train[0][tr], train[1][tr]), (train[0][te], train[1][te])
     if (train[0].shape[1:], train[0].dtype) != (test[0].shape[1:], test[0].dtype):
+        source = getattr(args, "file", None) or args.source
         raise ConvertError(
-            f"{args.source}: test images are {test[0].dtype} {test[0].shape[1:]} but train images are "
+            f"{source}: test images are {test[0].dtype} {test[0].shape[1:]} but train images are "
             f"{train[0].dtype} {train[0].shape[1:]}; a model reads both, give them one shape and type"
         )
     return train, test

@@ -363,7 +363,7 @@ def _bad_inputs(tmp):
         ("labshape", ["npz", tmp / "labshape.npz"], "labels must have shape (N,) or (N, 1)"),
         ("count", ["npz", tmp / "count.npz"], "6 images but 5 labels"),
         ("empty", ["npz", tmp / "empty.npz"], "no samples"),
-        ("mixed", ["npz", tmp / "mixed.npz"], "test images are float32 (1, 2, 4) but train images are"),
+        ("mixed", ["npz", tmp / "mixed.npz"], "mixed.npz: test images are float32 (1, 2, 4) but train images are"),
         ("cifar", ["cifar10-bin", tmp / "short.bin"], "not a whole number of CIFAR-10 records"),
         ("mnist", ["mnist-idx", tmp / "imgs", tmp / "labs"], "expected 3 labels"),
         ("synthetic", ["synthetic", "--count", "0"], "--count and --classes must be >= 1"),
