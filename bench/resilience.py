@@ -109,7 +109,7 @@ def _outcome(result: subprocess.CompletedProcess, log: Path) -> str:
 
 def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Path]]:
     """Run the jobs; return the figures and the logs by name."""
-    subprocess.run([sys.executable, "-m", "native.convert", "digits", str(work / "digits")],
+    subprocess.run([sys.executable, "-m", "native.convert", "digits", str(work / "digits"), "--overwrite"],
                    cwd=ROOT, env=mpirun_env(), check=True, capture_output=True, timeout=120)
     kill_at, stall_at = steps // 2, steps // 2
     jobs = {

@@ -26,7 +26,7 @@ T0=$(date +%s)
 step() { printf '\n=== [%3ds] %s\n' "$(($(date +%s) - T0))" "$*"; }
 
 step "data: scikit-learn digits -> shards (data/digits), and the Stannis public/private split"
-[[ -f data/digits/train/manifest.json ]] || "$PY" -m native.convert digits data/digits
+[[ -f data/digits/train/manifest.json ]] || "$PY" -m native.convert digits data/digits --overwrite
 [[ -d data/stannis-digits ]] || "$PY" -m stannis prepare --source data/digits --out data/stannis-digits
 
 step "ResPipe: 3 stages + 1 backup of stage 1, stage 1 killed (SIGKILL) at step $KILL_STEP"

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import costmodel, report, train
+from . import costmodel, package_version, report, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m mpipipe",
         description="Resilient pipeline-parallel CNN training on MPI (ResPipe), and its tools.",
     )
+    parser.add_argument("--version", action="version", version=f"mpipipe {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train.add_parser(sub)
     costmodel.add_parser(sub)

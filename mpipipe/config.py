@@ -11,6 +11,7 @@ a default.
 from __future__ import annotations
 
 import copy
+import difflib
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -29,7 +30,7 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {
         "seed": 0,  # seeds torch, the sampler and fault injection
         "steps": 300,  # optimizer steps to train (0: use epochs)
-        "epochs": 0,  # if > 0 and steps == 0: train this many epochs
+        "epochs": 0,  # if > 0 and steps == 0: train this many epochs (batches counted with data.drop_last)
         "eval_every": 50,  # evaluate on the test split every N steps (0: only at the end)
         "log_every": 10,  # plain progress line every N steps when not on a terminal
         "checkpoint_every": 0,  # save every N steps (0: never)
@@ -116,11 +117,39 @@ def _type_name(default: Any) -> str:
             list: "a list", dict: "a table"}.get(type(default), type(default).__name__)
 
 
+def _nearest(word: str, known: Iterable[str]) -> str | None:
+    """The known name closest to a misspelt one, if any is close (difflib's ratio >= 0.6)."""
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return close[0] if close else None
+
+
+def _unknown_section(section: str, defaults: Mapping, origin: str) -> ConfigError:
+    near = _nearest(section, defaults)
+    hint = f": did you mean [{near}]?" if near else ""
+    return ConfigError(f"{origin}: unknown section [{section}]{hint} (known: {', '.join(defaults)})")
+
+
+def _unknown_key(section: str, key: str, defaults: Mapping, origin: str) -> ConfigError:
+    """Suggest the nearest key of the same section, else the same key name in another
+    section (``run.batch_size`` -> ``data.batch_size``), else the nearest anywhere."""
+    near = _nearest(key, defaults[section])
+    if near is not None:
+        near = f"{section}.{near}"
+    else:
+        elsewhere = {k: f"{s}.{k}" for s, body in reversed(defaults.items()) if isinstance(body, dict) for k in body}
+        other = _nearest(key, elsewhere)
+        near = elsewhere[other] if other else None
+    hint = f": did you mean '{near}'?" if near else ""
+    return ConfigError(
+        f"{origin}: unknown key '{section}.{key}'{hint} (known in [{section}]: {', '.join(defaults[section])})"
+    )
+
+
 def _assign(cfg: dict, defaults: Mapping, path: list[str], value: Any, origin: str) -> None:
     dotted = ".".join(path)
     section = path[0]
     if section not in defaults:
-        raise ConfigError(f"{origin}: unknown section [{section}] (known: {', '.join(defaults)})")
+        raise _unknown_section(section, defaults, origin)
     schema = defaults[section]
     if isinstance(schema, dict) and not schema and len(path) >= 2:
         # free-form table (e.g. [plan]): keep as given
@@ -131,9 +160,7 @@ def _assign(cfg: dict, defaults: Mapping, path: list[str], value: Any, origin: s
         return
     key = path[1]
     if key not in schema:
-        raise ConfigError(
-            f"{origin}: unknown key '{section}.{key}' (known in [{section}]: {', '.join(schema)})"
-        )
+        raise _unknown_key(section, key, defaults, origin)
     default = schema[key]
     if len(path) > 2:
         if not isinstance(default, dict):
@@ -153,9 +180,7 @@ def _assign(cfg: dict, defaults: Mapping, path: list[str], value: Any, origin: s
 def _merge_file(cfg: dict, defaults: Mapping, data: Mapping, origin: str) -> None:
     for section, body in data.items():
         if section not in defaults:
-            raise ConfigError(
-                f"{origin}: unknown section [{section}] (known: {', '.join(defaults)})"
-            )
+            raise _unknown_section(section, defaults, origin)
         if not isinstance(body, dict):
             raise ConfigError(f"{origin}: '{section}' must be a table [{section}]")
         if isinstance(defaults[section], dict) and not defaults[section]:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 import native
 
-__all__ = ["DataError", "image_shape", "TrainBatches", "test_batches", "count_test_batches"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DataError", "image_shape", "run_steps", "TrainBatches", "test_batches", "count_test_batches"]
 
 
 class DataError(ValueError):
@@ -41,7 +44,38 @@ def image_shape(path: str | Path) -> tuple[int, int, int]:
     return tuple(int(s) for s in shape)  # type: ignore[return-value]
 
 
+def _open_train(path: str | Path, batch_size: int) -> native.Dataset:
+    dataset = _open(path, "train")
+    if (n := len(dataset)) < batch_size:
+        dataset.close()
+        raise DataError(f"{path}/train has {n} records, fewer than one batch of {batch_size}")
+    return dataset
+
+
+def run_steps(cfg: Mapping[str, Mapping[str, Any]]) -> int:
+    """Optimizer steps of a run: ``run.steps``, or ``run.epochs`` times the batches per
+    epoch, counted as the run's own reader counts them (``data.drop_last``: a short last
+    batch is a step when it is padded, not when it is dropped). The one place epochs
+    become steps: the loop, the learning-rate schedule and the progress bar all use it.
+    Reads only the train manifest (no torch), so start-up checks can call it early.
+
+    Raises:
+        DataError: the data set is missing, not an image data set, or has fewer
+            records than one batch.
+    """
+    run, d = cfg["run"], cfg["data"]
+    dataset = _open_train(d["path"], d["batch_size"])
+    records = len(dataset)
+    dataset.close()
+    if run["steps"] > 0 or run["epochs"] < 1:
+        return int(run["steps"])
+    per_epoch = native.Sampler(records, seed=0, drop_last=d["drop_last"]).num_batches(d["batch_size"])
+    return int(run["epochs"]) * per_epoch
+
+
 def _to_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     image, label = batch["image"], batch["label"]
     x = torch.from_numpy(image)
     if image.dtype == np.uint8:  # stored as bytes: scale to [0, 1] as converters do for floats
@@ -60,10 +94,7 @@ class TrainBatches:
 
     def __init__(self, path: str | Path, batch_size: int, *, seed: int, shuffle: bool = True,
                  drop_last: bool = True) -> None:
-        self.dataset = _open(path, "train")
-        if len(self.dataset) < batch_size:
-            raise DataError(f"{path}/train has {len(self.dataset)} records, fewer than one "
-                            f"batch of {batch_size}")
+        self.dataset = _open_train(path, batch_size)
         self.batch_size = batch_size
         self.sampler = native.Sampler(len(self.dataset), seed=seed, shuffle=shuffle,
                                       drop_last=drop_last)

@@ -132,12 +132,11 @@ def setup(run: Run) -> Setup:
     path = cfg["data"]["path"]
     try:
         in_shape = data.image_shape(path)
-        per_epoch = len(data.TrainBatches(path, cfg["data"]["batch_size"], seed=0))
+        total = data.run_steps(cfg)
         eval_batches = data.count_test_batches(path, cfg["data"]["batch_size"])
     except data.DataError as e:
         run.fail(e)
     k, m = cfg["pipeline"]["stages"], cfg["pipeline"]["chunks"]
-    total = cfg["run"]["steps"] or cfg["run"]["epochs"] * per_epoch
     run.progress.total = max(total, 1)
 
     torch.manual_seed(cfg["run"]["seed"])

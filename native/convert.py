@@ -2,15 +2,26 @@
 
 Every converter writes OUT/train and OUT/test, each a data set directory
 (shards + manifest.json) with fields `image` (per-record shape C,H,W) and
-`label` (int64). Re-running a conversion replaces the data set in OUT.
+`label` (int64).
+
+The data sets are written into a hidden directory beside OUT and renamed into
+place only when both are complete, so a failed or interrupted conversion leaves
+OUT exactly as it was. An OUT that already holds train/ or test/ is refused
+unless --overwrite is given (then only those two are replaced; anything else in
+OUT is kept).
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import os
+import shutil
+import signal
 import sys
+import threading
 import time
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,11 +29,13 @@ import numpy as np
 
 from .reader import open_dataset
 from .schema import describe
-from .writer import DatasetWriter
+from .writer import DatasetWriter, fsync_dir
 
 CIFAR_RECORD = 1 + 3 * 32 * 32
 IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 CHUNK = 16384
+SPLITS = ("train", "test")
+NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip archive (np.savez), possibly empty
 
 
 class ConvertError(ValueError):
@@ -52,10 +65,10 @@ def split_holdout(
 
 
 def write_split(out: Path, name: str, images: np.ndarray, labels: np.ndarray, shard_records: int | None) -> Path:
-    """Write one split (images N,C,H,W; labels N) as OUT/name."""
+    """Write one split (images N,C,H,W; labels N) as OUT/name (which must not hold a data set)."""
     directory = out / name
     schema = {"image": (images.dtype, images.shape[1:]), "label": ("int64", ())}
-    with DatasetWriter(directory, schema, shard_records=shard_records, overwrite=True) as w:
+    with DatasetWriter(directory, schema, shard_records=shard_records) as w:
         for lo in range(0, len(images), CHUNK):
             w.write({"image": images[lo : lo + CHUNK], "label": labels[lo : lo + CHUNK].astype(np.int64)})
     return directory
@@ -177,13 +190,74 @@ def _image_dtype(x: np.ndarray, source: str) -> np.ndarray:
     if x.dtype == np.uint8:
         return x
     if x.dtype.kind == "f":
-        return x.astype(np.float32)
+        with np.errstate(over="ignore"):  # a value beyond float32 becomes Inf: check_finite names it
+            return x.astype(np.float32)
     raise ConvertError(f"{source}: images must be uint8 or floating point, got {x.dtype}")
 
 
-def load_npz(path: Path) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
-    """Keys x_train/y_train[/x_test/y_test] (Keras style), or images/labels, or x/y."""
-    with np.load(path, allow_pickle=False) as z:
+def _open_npz(path: Path) -> np.lib.npyio.NpzFile:
+    """np.load for an .npz only: anything else is a ConvertError saying what the file is."""
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(6)
+    except OSError as exc:
+        raise ConvertError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if magic.startswith(b"\x93NUMPY"):
+        raise ConvertError(
+            f"{path}: a single .npy array, not an .npz; save images and labels together with "
+            "np.savez(path, x=images, y=labels)"
+        )
+    if not magic.startswith(NPZ_MAGIC):
+        raise ConvertError(
+            f"{path}: not an .npz file (a zip of arrays made by np.savez); save images and labels "
+            "with np.savez(path, x=images, y=labels)"
+        )
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise ConvertError(f"{path}: damaged .npz (zip) file: {exc}") from None
+
+
+def _npz_array(z: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
+    """One array of an open .npz; object arrays and damaged members are one-line errors."""
+    try:
+        return z[key]
+    except ValueError as exc:
+        if "pickle" in str(exc):
+            raise ConvertError(
+                f"{path}[{key}]: holds Python objects, not numbers; store a numeric array "
+                "(e.g. np.stack(list_of_images))"
+            ) from None
+        raise ConvertError(f"{path}[{key}]: cannot read the array: {exc}") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise ConvertError(f"{path}[{key}]: damaged member of the .npz: {exc}") from None
+
+
+def check_finite(images: np.ndarray, source: str) -> None:
+    """Refuse NaN or Inf pixels, naming the first bad sample: such a value turns every
+    loss and weight it touches into NaN, far from its cause. Checked in chunks so a
+    large data set needs no second full-size array."""
+    if images.dtype.kind != "f":
+        return
+    for lo in range(0, len(images), CHUNK):
+        bad = ~np.isfinite(images[lo : lo + CHUNK].reshape(min(CHUNK, len(images) - lo), -1)).all(axis=1)
+        if bad.any():
+            first = lo + int(np.argmax(bad))
+            what = "NaN" if np.isnan(images[first]).any() else "Inf"
+            raise ConvertError(
+                f"{source}: sample {first} has {what} pixel values; fix or drop it, or pass "
+                "--allow-nonfinite to store it anyway"
+            )
+
+
+def load_npz(
+    path: Path, *, allow_nonfinite: bool = False
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
+    """Keys x_train/y_train[/x_test/y_test] (Keras style), or images/labels, or x/y.
+
+    Every way the file can be unusable (not an npz, missing arrays, wrong shape or
+    type, NaN or Inf images) is a ConvertError naming the file and the array."""
+    with _open_npz(path) as z:
         keys = set(z.files)
         pairs = [("x_train", "y_train"), ("images", "labels"), ("x", "y")]
         for xk, yk in pairs:
@@ -193,12 +267,19 @@ def load_npz(path: Path) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarra
             raise ConvertError(f"{path}: expected arrays x_train/y_train, images/labels or x/y; found {sorted(keys)}")
         out = []
         for a, b in [(xk, yk)] + ([("x_test", "y_test")] if {"x_test", "y_test"} <= keys else []):
-            x = _image_dtype(_nchw(z[a], f"{path}[{a}]"), f"{path}[{a}]")
-            y = z[b].reshape(-1)
+            x = _image_dtype(_nchw(_npz_array(z, a, path), f"{path}[{a}]"), f"{path}[{a}]")
+            y = _npz_array(z, b, path)
+            if y.ndim != 1 and y.shape[1:] != (1,):
+                raise ConvertError(f"{path}[{b}]: labels must have shape (N,) or (N, 1), got {y.shape}")
+            y = y.reshape(-1)
             if y.dtype.kind not in "iu":
                 raise ConvertError(f"{path}[{b}]: labels must be integers, got {y.dtype}")
             if len(y) != len(x):
                 raise ConvertError(f"{path}: {len(x)} images but {len(y)} labels in {a}/{b}")
+            if len(x) == 0:
+                raise ConvertError(f"{path}[{a}]: no samples")
+            if not allow_nonfinite:
+                check_finite(x, f"{path}[{a}]")
             y = y.astype(np.int64)
             _check_labels(y, f"{path}[{b}]")
             out.append((x, y))
@@ -238,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m native.convert",
         description="Convert image data into shard data sets OUT/train and OUT/test "
-        "(fields: image C,H,W and label int64). Re-running replaces OUT's data sets. "
+        "(fields: image C,H,W and label int64). Both are written beside OUT and moved into "
+        "place only when complete: a failed or interrupted conversion leaves OUT as it was. "
+        "An OUT that already holds train/ or test/ is refused unless --overwrite is given. "
         "Prints what was written and how fast it reads back.",
         epilog="examples:\n"
         "  python -m native.convert digits data/digits\n"
@@ -268,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out share when the input has no test split (default 0.2)",
     )
     common.add_argument("--quiet", action="store_true", help="print nothing on success")
+    common.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT/train and OUT/test if they exist (other files in OUT are kept)",
+    )
     sub = p.add_subparsers(dest="source", required=True, metavar="SOURCE")
 
     s = sub.add_parser(
@@ -340,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("file", type=Path, metavar="FILE", help="the .npz file")
     s.add_argument("out", type=Path, metavar="OUT", help="output directory")
+    s.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="store images with NaN or Inf values (by default they are an error naming the sample)",
+    )
 
     s = sub.add_parser(
         "synthetic",
@@ -368,9 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def convert(args: argparse.Namespace) -> list[Path]:
-    """Run one conversion; returns the data set directories written."""
-    out: Path = args.out
+def load(args: argparse.Namespace) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Read and check the input of one conversion; returns the (images, labels) of train and test."""
     test: tuple[np.ndarray, np.ndarray] | None = None
     if args.source == "digits":
         x, y = load_digits()
@@ -397,7 +489,7 @@ def convert(args: argparse.Namespace) -> list[Path]:
             tx, ty = load_mnist_idx(args.test_images, args.test_labels)
             test = (_float_images(tx, args.dtype), ty)
     elif args.source == "npz":
-        train, test = load_npz(args.file)
+        train, test = load_npz(args.file, allow_nonfinite=args.allow_nonfinite)
     elif args.source == "synthetic":
         if args.count < 1 or args.classes < 1:
             raise ConvertError("synthetic: --count and --classes must be >= 1")
@@ -411,12 +503,109 @@ def convert(args: argparse.Namespace) -> list[Path]:
         tr.sort()
         te.sort()
         train, test = (train[0][tr], train[1][tr]), (train[0][te], train[1][te])
-    return [write_split(out, "train", *train, args.shard_records), write_split(out, "test", *test, args.shard_records)]
+    if (train[0].shape[1:], train[0].dtype) != (test[0].shape[1:], test[0].dtype):
+        source = getattr(args, "file", None) or args.source
+        raise ConvertError(
+            f"{source}: test images are {test[0].dtype} {test[0].shape[1:]} but train images are "
+            f"{train[0].dtype} {train[0].shape[1:]}; a model reads both, give them one shape and type"
+        )
+    return train, test
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an OUT that is not a directory, or that already holds a data set without
+    --overwrite: a conversion never replaces a user's data unless asked to."""
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out} exists and is not a directory; choose another OUT")
+    held = [name for name in SPLITS if os.path.lexists(out / name)]
+    if held and not overwrite:
+        raise ConvertError(
+            f"{out} already holds {' and '.join(f'{n}/' for n in held)}; pass --overwrite to replace "
+            "them, or choose another OUT"
+        )
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while converting (before anything was moved into OUT)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_installing: list[int] = []  # signals that arrived while the finished data sets were moved in
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    if _installing:
+        _installing.append(signum)  # moving the data sets in takes microseconds: finish it
+        return
+    raise Interrupted(signum)
+
+
+def install(partial: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished PARTIAL/train and PARTIAL/test into OUT.
+
+    A new OUT is one rename. Into an existing OUT each old split is first moved
+    aside into PARTIAL, then the new one moved in; if a rename fails, what was
+    moved is put back, so OUT holds either the old data sets or the new ones."""
+    check_out(out, overwrite)  # again: another conversion may have finished meanwhile
+    if not out.exists():
+        os.rename(partial, out)
+        fsync_dir(out.parent)
+        return
+    aside = partial / "replaced"
+    aside.mkdir()
+    moved_out: list[str] = []
+    moved_in: list[str] = []
+    try:
+        for name in SPLITS:
+            if os.path.lexists(out / name):
+                os.rename(out / name, aside / name)
+                moved_out.append(name)
+        for name in SPLITS:
+            os.rename(partial / name, out / name)
+            moved_in.append(name)
+    except OSError:
+        for name in moved_in:
+            os.rename(out / name, partial / name)
+        for name in moved_out:
+            os.rename(aside / name, out / name)
+        raise
+    fsync_dir(out)
+
+
+def convert(args: argparse.Namespace) -> list[Path]:
+    """Run one conversion; returns the data set directories written (OUT/train, OUT/test).
+
+    Nothing in OUT changes until both data sets are complete in a hidden directory
+    beside it (.OUT.partial-PID); on any error that directory is removed."""
+    out: Path = args.out
+    check_out(out, args.overwrite)
+    train, test = load(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        partial.mkdir()
+        for name, (images, labels) in zip(SPLITS, (train, test), strict=True):
+            write_split(partial, name, images, labels, args.shard_records)
+        _installing.append(0)
+        try:
+            install(partial, out, args.overwrite)
+        finally:
+            _installing.clear()
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return [out / name for name in SPLITS]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # only there can Python catch signals
+        handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    written: list[Path] = []
     try:
         t0 = time.perf_counter()
         written = convert(args)
@@ -427,6 +616,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        fate = "the new data sets are in place" if written else f"{args.out} was left as it was"
+        print(f"{parser.prog}: interrupted by {exc}; {fate}", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
     return 0
 
 

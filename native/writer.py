@@ -145,6 +145,15 @@ class ShardWriter:
             self.abort()
 
 
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a rename or a new file in ``directory`` durable (the directory entry itself)."""
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -153,11 +162,7 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(path.parent)
 
 
 def shard_name(i: int) -> str:

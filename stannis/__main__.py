@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mpipipe import package_version
 from mpipipe.cli import add_train_arguments
 
 
@@ -14,6 +15,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m stannis",
         description="Data-parallel training on one host and N computational storage devices "
                     "(CSDs), with HyperTune batch sizing. Launch with mpirun -n 1+N.")
+    parser.add_argument("--version", action="version", version=f"stannis {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (under mpirun -n 1+N)")
     add_train_arguments(train)
@@ -41,6 +43,8 @@ def _defaults() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen subcommand; its return value is the exit
+    status (also the console script ``stannis``)."""
     args = _parser().parse_args(argv)
     if args.command == "defaults":
         print(_defaults(), end="")

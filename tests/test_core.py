@@ -49,6 +49,33 @@ def test_bad_config_names_the_key(tmp_path, text, overrides, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("text,overrides,defaults,message", [
+    ("[pipeline]\nchunkz = 4\n", [], None, "unknown key 'pipeline.chunkz': did you mean 'pipeline.chunks'?"),
+    ("", ["pipeline.chunkz=4"], None, "unknown key 'pipeline.chunkz': did you mean 'pipeline.chunks'?"),
+    ("[optimizer]\nlr = 1\n", [], None, "unknown section [optimizer]: did you mean [optim]?"),
+    ("", ["pipelin.chunks=4"], None, "unknown section [pipelin]: did you mean [pipeline]?"),
+    # the right key in the wrong section
+    ("[run]\nbatch_size = 8\n", [], None, "unknown key 'run.batch_size': did you mean 'data.batch_size'?"),
+    ("", ["run.drop_last=false"], None, "did you mean 'data.drop_last'?"),
+    # Stannis's own keys
+    ("", ["stannis.injct=[]"], "stannis", "unknown key 'stannis.injct': did you mean 'stannis.inject'?"),
+    ("", ["run.epochs=2"], "stannis", "unknown key 'run.epochs' (known in [run]:"),  # no epochs in Stannis
+])
+def test_unknown_names_suggest_the_nearest_known_one(tmp_path, text, overrides, defaults, message):
+    from stannis.config import STANNIS_DEFAULTS
+
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), overrides, STANNIS_DEFAULTS if defaults else PIPELINE_DEFAULTS)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["run.nope", "zzz.q", "data.xyzzy"])
+def test_nothing_is_suggested_when_nothing_is_near(name):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{name}=1"])
+    assert "did you mean" not in str(err.value) and "unknown" in str(err.value)
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
@@ -335,3 +362,51 @@ def test_cosine_rate_follows_torch_cosine_annealing():
     assert decay(total, total, "cosine") == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ValueError, match="choose one of constant, cosine"):
         decay(0, total, "step")
+
+
+# ---- packaging: console scripts and --version ----------------------------------------
+
+
+def test_console_scripts_point_at_the_module_entry_points_and_print_the_version(capsys):
+    """[project.scripts] mpipipe and stannis load (as pip's wrapper would) and `--version` prints
+    the package's version; pyproject.toml reads that version from mpipipe.__version__."""
+    import tomllib
+    from importlib.metadata import EntryPoint
+
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    import mpipipe
+    from mpipipe.launch import ROOT
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == {"mpipipe", "stannis"}
+    assert read_configuration(ROOT / "pyproject.toml")["project"]["version"] == mpipipe.__version__
+    for name, target in scripts.items():
+        main = EntryPoint(name, target, "console_scripts").load()
+        assert main.__module__ == f"{name}.__main__"
+        with pytest.raises(SystemExit) as done:
+            main(["--version"])
+        assert done.value.code == 0
+        assert capsys.readouterr().out == f"{name} {mpipipe.package_version()}\n"
+
+
+@pytest.mark.timeout(120)
+def test_version_in_a_real_process_installed_or_not():
+    """What the console script runs (`sys.exit(main())`), in a process; and without
+    site-packages (a source tree never installed) the fallback to __version__."""
+    import subprocess
+    import sys
+
+    import mpipipe
+    from mpipipe.launch import ROOT
+
+    for name in ("mpipipe", "stannis"):
+        p = subprocess.run([sys.executable, "-c", f"import sys; from {name}.__main__ import main; sys.exit(main())",
+                            "--version"], capture_output=True, text=True, timeout=100, cwd=ROOT)
+        assert (p.returncode, p.stdout, p.stderr) == (0, f"{name} {mpipipe.package_version()}\n", "")
+    p = subprocess.run([sys.executable, "-S", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                        "import importlib.metadata as m, mpipipe\n"
+                        "try:\n    m.version('mpipipe'); print('installed')\n"
+                        "except m.PackageNotFoundError:\n    print(mpipipe.package_version())", str(ROOT)],
+                       capture_output=True, text=True, timeout=100)
+    assert (p.returncode, p.stdout.strip()) == (0, mpipipe.__version__), p.stderr

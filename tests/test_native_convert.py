@@ -38,9 +38,9 @@ def test_digits(tmp_path, capsys):
     # Held out means disjoint: no test image appears in train.
     train_rows = {r.tobytes() for r in btr["image"]}
     assert sum(r.tobytes() in train_rows for r in bte["image"]) < 5  # digits has a few dupes
-    # Deterministic: a second run writes the same bytes.
+    # Deterministic: a second run (asked to replace the first) writes the same bytes.
     first = json.loads((tmp_path / "d" / "train" / "manifest.json").read_text())
-    assert run("digits", tmp_path / "d", "--quiet") == 0
+    assert run("digits", tmp_path / "d", "--quiet", "--overwrite") == 0
     again = json.loads((tmp_path / "d" / "train" / "manifest.json").read_text())
     assert first == again
 
@@ -246,3 +246,182 @@ def test_bench_json_has_exactly_the_keys():
         "native_vs_dataloader",
     }
     assert all(v > 0 for v in res.values())
+
+
+# ---- OUT is replaced only when asked, and only by a complete conversion ---------------
+
+
+def tree_hashes(root):
+    """Every file below root (relative path -> sha256), symlinks and directories included."""
+    import hashlib
+
+    seen = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            seen[rel] = "link:" + str(p.readlink())
+        elif p.is_dir():
+            seen[rel] = "dir"
+        else:
+            seen[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return seen
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("python -m native.convert: error: "), err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+@pytest.fixture
+def existing(tmp_path):
+    """A converted data set OUT (synthetic, small) with a user's own file beside the splits."""
+    out = tmp_path / "data" / "set"
+    assert run("synthetic", out, "--shape", "1,4,4", "--count", "50", "--shard-records", "20", "--quiet") == 0
+    (out / "NOTES.txt").write_text("my notes\n")
+    return out
+
+
+def no_partials(out):
+    return [p.name for p in out.parent.iterdir() if ".partial-" in p.name] == []
+
+
+def test_existing_out_is_refused_without_overwrite(existing, capsys):
+    before = tree_hashes(existing)
+    assert run("synthetic", existing, "--count", "30", "--quiet") == 2
+    line = one_error_line(capsys)
+    assert "already holds train/ and test/" in line and "--overwrite" in line
+    assert tree_hashes(existing) == before and no_partials(existing)
+    # with --overwrite the splits are replaced and the user's file is kept
+    assert run("synthetic", existing, "--shape", "1,2,2", "--count", "30", "--overwrite", "--quiet") == 0
+    ds, batch = load(existing, "train")
+    assert len(ds) == 30 and batch["image"].shape[1:] == (1, 2, 2)
+    assert (existing / "NOTES.txt").read_text() == "my notes\n"
+    assert sorted(p.name for p in existing.iterdir()) == ["NOTES.txt", "test", "train"]
+    assert no_partials(existing)
+    # an OUT that is a file is refused, not replaced
+    (existing.parent / "afile").write_text("x")
+    assert run("synthetic", existing.parent / "afile", "--quiet") == 2
+    assert "is not a directory" in one_error_line(capsys)
+    assert (existing.parent / "afile").read_text() == "x"
+
+
+def test_new_out_is_written_whole_and_nothing_is_left_beside_it(tmp_path):
+    out = tmp_path / "deep" / "new"
+    assert run("synthetic", out, "--count", "30", "--quiet") == 0
+    assert sorted(p.name for p in out.iterdir()) == ["test", "train"]
+    assert no_partials(out)
+    # an empty directory made beforehand is fine: it holds no data set yet
+    (tmp_path / "empty").mkdir()
+    assert run("synthetic", tmp_path / "empty", "--count", "30", "--quiet") == 0
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["test", "train"]
+
+
+def _bad_inputs(tmp):
+    """(name, argv before OUT, words of the error line) for inputs every converter must refuse."""
+    rng = np.random.default_rng(0)
+    x = rng.random((6, 1, 4, 4)).astype(np.float32)
+    y = np.arange(6) % 3
+    nan = x.copy()
+    nan[4, 0, 2, 1] = np.nan
+    np.savez(tmp / "nan.npz", x=nan, y=y)
+    inf = x.astype(np.float64)
+    inf[3, 0, 0, 0] = 1e300  # finite in float64, Inf once stored as float32
+    np.savez(tmp / "inf.npz", x=inf, y=y)
+    np.savez(tmp / "testnan.npz", x_train=x, y_train=y, x_test=nan[3:], y_test=y[3:])
+    np.save(tmp / "single.npy", x)
+    (tmp / "text.npz").write_text("x,y\n1,2\n")
+    np.savez(tmp / "objects.npz", x=np.array([x[0], x[1, 0]], dtype=object), y=y[:2])
+    (tmp / "cut.npz").write_bytes((tmp / "nan.npz").read_bytes()[:300])
+    np.savez(tmp / "keys.npz", a=x, b=y)
+    np.savez(tmp / "shape.npz", x=x[:, 0, 0], y=y)
+    np.savez(tmp / "dtype.npz", x=x.astype(np.int16), y=y)
+    np.savez(tmp / "labels.npz", x=x, y=y.astype(np.float32))
+    np.savez(tmp / "labshape.npz", x=x, y=np.stack([y, y], axis=1))
+    np.savez(tmp / "count.npz", x=x, y=y[:5])
+    np.savez(tmp / "empty.npz", x=x[:0], y=y[:0])
+    np.savez(tmp / "mixed.npz", x_train=x, y_train=y, x_test=x[:2, :, :2], y_test=y[:2])
+    cifar_file(tmp / "cifar.bin", [1, 2], 0)
+    (tmp / "short.bin").write_bytes((tmp / "cifar.bin").read_bytes()[:-7])
+    (tmp / "labs").write_bytes(idx_bytes(np.zeros(4, np.uint8)))
+    (tmp / "imgs").write_bytes(idx_bytes(np.zeros((3, 5, 5), np.uint8)))
+    return [
+        ("nan", ["npz", tmp / "nan.npz"], "nan.npz[x]: sample 4 has NaN"),
+        ("inf", ["npz", tmp / "inf.npz"], "inf.npz[x]: sample 3 has Inf"),
+        ("test-nan", ["npz", tmp / "testnan.npz"], "testnan.npz[x_test]: sample 1 has NaN"),
+        ("npy", ["npz", tmp / "single.npy"], "a single .npy array, not an .npz"),
+        ("text", ["npz", tmp / "text.npz"], "not an .npz file"),
+        ("missing", ["npz", tmp / "nowhere.npz"], "nowhere.npz: cannot read"),
+        ("objects", ["npz", tmp / "objects.npz"], "objects.npz[x]: holds Python objects"),
+        ("cut", ["npz", tmp / "cut.npz"], "cut.npz: damaged .npz"),
+        ("keys", ["npz", tmp / "keys.npz"], "expected arrays x_train/y_train"),
+        ("shape", ["npz", tmp / "shape.npz"], "images must be N,H,W"),
+        ("dtype", ["npz", tmp / "dtype.npz"], "must be uint8 or floating point, got int16"),
+        ("labels", ["npz", tmp / "labels.npz"], "labels must be integers"),
+        ("labshape", ["npz", tmp / "labshape.npz"], "labels must have shape (N,) or (N, 1)"),
+        ("count", ["npz", tmp / "count.npz"], "6 images but 5 labels"),
+        ("empty", ["npz", tmp / "empty.npz"], "no samples"),
+        ("mixed", ["npz", tmp / "mixed.npz"], "mixed.npz: test images are float32 (1, 2, 4) but train images are"),
+        ("cifar", ["cifar10-bin", tmp / "short.bin"], "not a whole number of CIFAR-10 records"),
+        ("mnist", ["mnist-idx", tmp / "imgs", tmp / "labs"], "expected 3 labels"),
+        ("synthetic", ["synthetic", "--count", "0"], "--count and --classes must be >= 1"),
+        # fails inside the writer, after the partial directory is made
+        ("shard-records", ["synthetic", "--shard-records", "0"], "shard_records must be >= 1"),
+    ]
+
+
+def test_a_failed_conversion_leaves_an_existing_out_byte_identical(existing, tmp_path, capsys):
+    before = tree_hashes(existing)
+    for name, argv, words in _bad_inputs(tmp_path):
+        code = run(*argv, existing, "--overwrite", "--quiet")
+        line = one_error_line(capsys)
+        assert code == 2, name
+        assert words in line, (name, line)
+        assert tree_hashes(existing) == before, name
+        assert no_partials(existing), name
+        # and into a new OUT nothing is created
+        assert run(*argv, tmp_path / "fresh", "--quiet") == 2, name
+        capsys.readouterr()
+        assert not (tmp_path / "fresh").exists(), name
+
+
+def test_nonfinite_images_are_kept_when_asked(tmp_path, capsys):
+    x = np.ones((5, 1, 2, 2), np.float32)
+    x[2, 0, 1, 1] = np.inf
+    np.savez(tmp_path / "f.npz", x=x, y=np.arange(5))
+    assert run("npz", tmp_path / "f.npz", tmp_path / "o") == 2
+    assert "sample 2 has Inf" in one_error_line(capsys) and not (tmp_path / "o").exists()
+    assert run("npz", tmp_path / "f.npz", tmp_path / "o", "--allow-nonfinite", "--quiet") == 0
+    _, tr = load(tmp_path / "o", "train")
+    _, te = load(tmp_path / "o", "test")
+    assert np.isinf(np.concatenate([tr["image"], te["image"]])).sum() == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_conversion_leaves_an_existing_out_byte_identical(existing, sig):
+    import signal
+    import time
+
+    before = tree_hashes(existing)
+    # thousands of tiny shards: the conversion takes seconds, so it is caught mid-write
+    argv = ["synthetic", "--shape", "1,4,4", "--count", "100000", "--shard-records", "20", "--overwrite",
+            str(existing)]
+    proc = subprocess.Popen([sys.executable, "-m", "native.convert", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not list(existing.parent.glob(".set.partial-*/train/shard-00010.shard")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the conversion never started writing"
+            time.sleep(0.01)
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + getattr(signal, sig), err
+    lines = err.strip().splitlines()
+    assert lines == [f"python -m native.convert: interrupted by {sig}; {existing} was left as it was"], err
+    assert tree_hashes(existing) == before and no_partials(existing)

@@ -126,3 +126,28 @@ def test_checkpoint_round_trip_and_refusals(tmp_path):
     torch.save({"format": "x", "evil": Evil()}, tmp_path / "stage-3.pt")
     with pytest.raises(checkpoint.CheckpointError, match="cannot read"):
         checkpoint.load_stage(tmp_path, 3)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_run_epochs_count_the_batches_the_reader_hands_out(digits, drop_last):
+    """run.epochs becomes steps with the run's own data.drop_last: exactly the batches
+    TrainBatches gives in that many epochs (digits: 1438 train records, 44 full batches
+    of 32 and a remainder of 30, which is a step only when padded)."""
+    from mpipipe import data
+    from mpipipe.config import load_config
+
+    sets = [f'data.path="{digits}"', "data.batch_size=32", f"data.drop_last={str(drop_last).lower()}"]
+    cfg = load_config(None, [*sets, "run.steps=0", "run.epochs=2"])
+    steps = data.run_steps(cfg)
+    assert steps == (88 if drop_last else 90)
+    reader = data.TrainBatches(digits, 32, seed=0, drop_last=drop_last)
+    handed = 0
+    while reader.position[0] < 2:
+        x, _ = reader.next()
+        assert len(x) == 32
+        handed += 1
+    assert handed == steps
+    # run.steps wins over epochs; too small a data set is the usual one-line DataError
+    assert data.run_steps(load_config(None, [*sets, "run.steps=7", "run.epochs=2"])) == 7
+    with pytest.raises(data.DataError, match="fewer than one batch of 5000"):
+        data.run_steps(load_config(None, [f'data.path="{digits}"', "data.batch_size=5000"]))

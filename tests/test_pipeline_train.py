@@ -112,3 +112,28 @@ def test_stop_and_resume_ends_where_an_uninterrupted_run_ends(digits, tmp_path):
     # and the run really trained: the parameters moved away from the checkpoint at step 8
     c = _params(first, 2)
     assert any(not torch.equal(a[n], c[n]) for n in a)
+
+
+@pytest.mark.timeout(300)
+def test_epochs_with_a_padded_last_batch_train_and_schedule_every_batch(digits, tmp_path):
+    """Two epochs of digits in batches of 32 with data.drop_last = false are 2 x 45 steps
+    (44 full batches and a padded one), and the cosine schedule spans those 90: the last
+    step's rate is rate_at(89, 90) > 0, where a schedule sized for 88 would be 0."""
+    from mpipipe.checkpoint import load_stage
+    from mpipipe.lr import rate_at
+    from mpipipe.runlog import open_log
+
+    log, ckpt = tmp_path / "epochs.h5", tmp_path / "ckpt"
+    result = mpirun(2, *_data(digits), "--set", "pipeline.stages=2", "--set", "pipeline.balance_by=params",
+                    "--set", "run.steps=0", "--set", "run.epochs=2", "--set", "run.eval_every=0",
+                    "--set", "data.batch_size=32", "--set", "data.drop_last=false",
+                    "--set", 'optim.schedule="cosine"', "--set", f'run.checkpoint_dir="{ckpt}"',
+                    "--log", str(log), timeout=280)
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = open_log(log)
+    assert run.steps["step"].tolist() == list(range(1, 91))
+    for stage in range(2):
+        state = load_stage(ckpt, stage)
+        assert state.step == 90
+        lr = state.optimizer["param_groups"][0]["lr"]
+        assert lr == pytest.approx(rate_at({"lr": 0.05, "schedule": "cosine"}, 89, 90), rel=1e-9) and lr > 0

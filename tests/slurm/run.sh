@@ -79,7 +79,7 @@ if [[ $SMOKE == 0 ]]; then
     # (an interrupted earlier run) is made again.
     if [[ ! -f data/digits/train/manifest.json ]]; then
         say "converting the digits data set into data/digits"
-        "$PY" -m native.convert digits data/digits
+        "$PY" -m native.convert digits data/digits --overwrite
     fi
     if [[ ! -f data/stannis-digits/split.json ]]; then
         say "splitting data/digits into public and per-CSD shards (data/stannis-digits)"
