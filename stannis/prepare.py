@@ -18,10 +18,19 @@ import numpy as np
 
 
 def ensure_source(source: Path) -> None:
-    """Make the digits data set at ``source`` with ``python -m native.convert`` if absent."""
+    """Make the digits data set at ``source`` with ``python -m native.convert`` if absent.
+
+    Raises:
+        ValueError: the conversion failed (for instance ``source`` holds only one of
+            ``train/`` and ``test/``, which convert refuses to replace); its own line
+            has been printed already.
+    """
     if (source / "train").is_dir() and (source / "test").is_dir():
         return
-    subprocess.run([sys.executable, "-m", "native.convert", "digits", str(source)], check=True)
+    done = subprocess.run([sys.executable, "-m", "native.convert", "digits", str(source)])
+    if done.returncode != 0:
+        raise ValueError(f"could not make the source data set {source} (native.convert exit "
+                         f"{done.returncode}); fix or remove {source}, or pass --source DIR")
 
 
 def split(source: Path, out: Path, *, csds: int, public_share: float, seed: int = 0,

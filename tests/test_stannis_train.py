@@ -214,3 +214,17 @@ def test_wrong_world_size_is_one_clear_error(data: Path, tmp_path: Path) -> None
     proc = _train(data, tmp_path / "x.h5", n=3, timeout=90)
     assert proc.returncode != 0
     assert "needs 5 ranks (1 host + 4 CSDs) but the MPI world has 3" in proc.stderr
+
+
+def test_prepare_with_half_a_source_is_one_error(tmp_path: Path) -> None:
+    """A source holding train/ but no test/ is refused by convert; prepare says so without a traceback."""
+    (tmp_path / "src" / "train").mkdir(parents=True)
+    (tmp_path / "src" / "train" / "keep.txt").write_text("mine")
+    done = subprocess.run([sys.executable, "-m", "stannis", "prepare", "--source", str(tmp_path / "src"),
+                           "--out", str(tmp_path / "out")],
+                          env=mpirun_env(), cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "stannis prepare: error: could not make the source data set" in done.stderr
+    assert (tmp_path / "src" / "train" / "keep.txt").read_text() == "mine"
+    assert not (tmp_path / "out").exists()
