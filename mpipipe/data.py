@@ -73,21 +73,32 @@ def check_labels(path: str | Path, num_classes: int) -> str | None:
     notes = []
     for split in ("train", "test"):
         dataset = _open(path, split)
-        span = dataset.manifest.get("ranges", {}).get("label")
+        known = label_range_ok(dataset, num_classes)
         dataset.close()
-        if span is None:
+        if not known:
             notes.append(split)
-            continue
-        lo, hi = span
-        if lo < 0 or hi >= num_classes:
-            raise DataError(f"{Path(path) / split} has labels {lo}..{hi} but model.num_classes = "
-                            f"{num_classes} (labels 0..{num_classes - 1}): set model.num_classes "
-                            f"= {hi + 1}, or convert the data again with the right labels")
     if notes:
         return (f"{path}: the manifest of {' and '.join(notes)} records no label range (converted "
                 "by an older version); labels are checked as they are read. Convert again to "
                 "check them at start-up")
     return None
+
+
+def label_range_ok(dataset: native.Dataset, num_classes: int) -> bool:
+    """Check the label range a data set's manifest records; False if it records none.
+
+    Raises:
+        DataError: the labels fall outside [0, num_classes), naming the data set and the fix.
+    """
+    span = dataset.manifest.get("ranges", {}).get("label")
+    if span is None:
+        return False
+    lo, hi = span
+    if lo < 0 or hi >= num_classes:
+        raise DataError(f"{dataset.directory} has labels {lo}..{hi} but model.num_classes = "
+                        f"{num_classes} (labels 0..{num_classes - 1}): set model.num_classes "
+                        f"= {hi + 1}, or convert the data again with the right labels")
+    return True
 
 
 def verify_split(path: str | Path, split: str, num_classes: int) -> None:

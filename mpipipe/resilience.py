@@ -41,8 +41,8 @@ from torch import nn
 
 from . import ft
 from .checkpoint import CheckpointError
-from .data import DataFault
 from .costmodel import predict, stage_shapes
+from .data import DataFault
 from .inject import Fault, FaultPlan
 from .lr import set_rate_for_step
 from .pipeline import SHADOW_GRAD_MICRO, Have, Pipeline, Route, stage_consumers

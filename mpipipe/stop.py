@@ -136,7 +136,9 @@ def resume_command(size: int, directory: str | Path, argv: list[str] | None = No
     return shlex.join([*mpirun, "python", "-m", module, *rest, "--resume", str(directory)])
 
 
-def announce(prog: str, stop: StopRun, *, size: int, checkpoint_dir: str | Path | None) -> None:
+def announce(prog: str, stop: StopRun, *, size: int, checkpoint_dir: str | Path | None,
+             unresumable: str = "set run.checkpoint_dir to make an interrupted run resumable"
+             ) -> None:
     """The one line the log writer prints when the run stops (stderr)."""
     if stop.kind == "data":
         line = f"{prog}: error: data: {stop.message}"
@@ -145,7 +147,7 @@ def announce(prog: str, stop: StopRun, *, size: int, checkpoint_dir: str | Path 
                 f"{checkpoint_dir}; resume with: {resume_command(size, checkpoint_dir)}")
     else:
         line = (f"{prog}: interrupted by {stop.message} at step {stop.step}; no checkpoint was "
-                "written (set run.checkpoint_dir to make an interrupted run resumable)")
+                f"written ({unresumable})")
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
 
