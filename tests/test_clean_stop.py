@@ -229,7 +229,7 @@ def test_sigusr1_to_mpirun_stops_the_pipeline_at_a_step_with_a_resumable_checkpo
     rest = words[6:]
     rest[rest.index("run.steps=2000")] = f"run.steps={step + 3}"
     rest[rest.index(str(log))] = str(tmp_path / "second.h5")
-    again = run_mpi(3, rest, timeout=200)
+    again = run_mpi(3, ["-m", "mpipipe", *rest], timeout=200)
     assert again.returncode == 0, again.stderr[-3000:]
     second = open_log(tmp_path / "second.h5")
     assert second.attrs["status"] == "completed"
