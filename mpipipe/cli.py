@@ -128,6 +128,9 @@ def start_run(
         fail_fast(comm, error, prog, rank)
     if rank != 0:
         log = RunLog.null(where, start, system=system)
+    from . import stop
+
+    stop.install()  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.stop)
     progress = Progress(total_steps(cfg), enabled=(rank == 0), quiet=args.quiet,
                         every=cfg["run"].get("log_every", 10), prog=prog)
     return Run(comm, rank, size, cfg, plan, log, progress, args, prog)

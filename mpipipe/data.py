@@ -13,11 +13,116 @@ import native
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DataError", "image_shape", "run_steps", "TrainBatches", "test_batches", "count_test_batches"]
+__all__ = ["DataError", "DataFault", "image_shape", "run_steps", "TrainBatches", "test_batches",
+           "count_test_batches", "check_labels", "verify_split", "damaged"]
 
 
 class DataError(ValueError):
     """The data directory is missing or does not hold an image data set."""
+
+
+class DataFault(DataError):
+    """A fatal data error found while training: a damaged record or a label out of range.
+
+    Not a failure of the rank that found it: every rank stops (mpipipe.stop), none
+    takes over. The message is one line naming the shard, the record and the fix.
+    """
+
+
+def fix_hint(directory: str | Path) -> str:
+    """How to find every damaged record of a data set, and how to repair it."""
+    return (f"to find every damaged record run `python -m native.check --verify {directory}`, "
+            "then convert the data again with python -m native.convert")
+
+
+def damaged(error: native.ShardError, directory: str | Path) -> DataFault:
+    """A ShardError met while reading, as a DataFault whose line also says what to do."""
+    return DataFault(f"damaged record: {error}; {fix_hint(directory)}")
+
+
+def _shard_of(dataset: native.Dataset, record: int) -> str:
+    """The shard file that holds data set record ``record`` (manifest order)."""
+    for entry in dataset.manifest["shards"]:
+        if record < entry["records"]:
+            return str(dataset.directory / entry["file"])
+        record -= entry["records"]
+    return str(dataset.directory)
+
+
+def bad_label(dataset: native.Dataset, indices: np.ndarray, labels: np.ndarray,
+              num_classes: int) -> DataFault | None:
+    """A DataFault naming the first record whose label is outside [0, num_classes), or None."""
+    bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if not len(bad):
+        return None
+    i = int(bad[0])
+    record = int(indices[i])
+    return DataFault(f"{_shard_of(dataset, record)}: record {record} of {dataset.directory} has "
+                     f"label {int(labels[i])}, outside 0..{num_classes - 1} (model.num_classes = "
+                     f"{num_classes}); set model.num_classes to cover the labels, or "
+                     f"{fix_hint(dataset.directory)}")
+
+
+def check_labels(path: str | Path, num_classes: int) -> str | None:
+    """Start-up check of both splits' label range (from each manifest) against the model.
+
+    Returns a note when a manifest predates label ranges (then labels are checked only
+    as they are read). Why from the manifest: it costs nothing, and every rank reaches
+    the same verdict without a message.
+
+    Raises:
+        DataError: a split's labels fall outside [0, num_classes).
+    """
+    notes = []
+    for split in ("train", "test"):
+        dataset = _open(path, split)
+        known = label_range_ok(dataset, num_classes)
+        dataset.close()
+        if not known:
+            notes.append(split)
+    if notes:
+        return (f"{path}: the manifest of {' and '.join(notes)} records no label range (converted "
+                "by an older version); labels are checked as they are read. Convert again to "
+                "check them at start-up")
+    return None
+
+
+def label_range_ok(dataset: native.Dataset, num_classes: int) -> bool:
+    """Check the label range a data set's manifest records; False if it records none.
+
+    Raises:
+        DataError: the labels fall outside [0, num_classes), naming the data set and the fix.
+    """
+    span = dataset.manifest.get("ranges", {}).get("label")
+    if span is None:
+        return False
+    lo, hi = span
+    if lo < 0 or hi >= num_classes:
+        raise DataError(f"{dataset.directory} has labels {lo}..{hi} but model.num_classes = "
+                        f"{num_classes} (labels 0..{num_classes - 1}): set model.num_classes "
+                        f"= {hi + 1}, or convert the data again with the right labels")
+    return True
+
+
+def verify_split(path: str | Path, split: str, num_classes: int) -> None:
+    """Check every checksum and label of a split before training (the test split: it is
+    read whole at every evaluation, so this costs one evaluation's reading once).
+
+    Raises:
+        DataError: a damaged record or a label out of range, in one line with the fix.
+    """
+    dataset = _open(path, split)
+    try:
+        dataset.verify()
+        for lo in range(0, len(dataset), 4096):
+            idx = np.arange(lo, min(lo + 4096, len(dataset)), dtype=np.int64)
+            fault = bad_label(dataset, idx, dataset.read(idx)["label"], num_classes)
+            if fault is not None:
+                raise fault
+    except native.ShardError as e:
+        raise damaged(e, dataset.directory) from None
+    finally:
+        dataset.close()
 
 
 def _open(path: str | Path, split: str) -> native.Dataset:
@@ -93,8 +198,9 @@ class TrainBatches:
     """
 
     def __init__(self, path: str | Path, batch_size: int, *, seed: int, shuffle: bool = True,
-                 drop_last: bool = True) -> None:
+                 drop_last: bool = True, num_classes: int | None = None) -> None:
         self.dataset = _open_train(path, batch_size)
+        self.num_classes = num_classes  # labels are checked against it as they are read
         self.batch_size = batch_size
         self.sampler = native.Sampler(len(self.dataset), seed=seed, shuffle=shuffle,
                                       drop_last=drop_last)
@@ -106,15 +212,28 @@ class TrainBatches:
         return self.sampler.num_batches(self.batch_size)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next mini-batch (x float32 N,C,H,W; y int64 N)."""
+        """The next mini-batch (x float32 N,C,H,W; y int64 N).
+
+        Raises:
+            DataFault: a record of the batch is damaged, or its label is out of range.
+        """
         while True:
             if self._it is None:
                 self._it = self.sampler.batches(self.batch_size)
             try:
                 indices = next(self._it)
-                return _to_tensors(self.dataset.read(indices, self._out))
             except StopIteration:
                 self._it = None
+                continue
+            try:
+                batch = self.dataset.read(indices, self._out)
+            except native.ShardError as e:
+                raise damaged(e, self.dataset.directory) from None
+            if self.num_classes is not None:
+                fault = bad_label(self.dataset, indices, batch["label"], self.num_classes)
+                if fault is not None:
+                    raise fault
+            return _to_tensors(batch)
 
     @property
     def position(self) -> tuple[int, int]:

@@ -42,12 +42,14 @@ from torch import nn
 from . import ft
 from .checkpoint import CheckpointError
 from .costmodel import predict, stage_shapes
+from .data import DataFault
 from .inject import Fault, FaultPlan
 from .lr import set_rate_for_step
 from .pipeline import SHADOW_GRAD_MICRO, Have, Pipeline, Route, stage_consumers
 from .replica import pack_state, replica_numel, unpack_state
 from .runlog import LogError
-from .transport import CTRL, REPLICA, SHADOW, Late, PeerFailed, pause
+from .stop import ControlStop, StopRun
+from .transport import CTRL, REPLICA, SHADOW, Late, PeerFailed, pause, set_wait_hook
 
 __all__ = [
     "Settings",
@@ -72,6 +74,7 @@ _ANNOUNCE, _DECISION, _DEMOTED, _END, _FIGS, _FAULT, _EVAL = range(1, 8)
 # coordinator admits it (the round's decision) or tells it the job is over.
 _REJOIN, _ADMIT, _CLOSED = range(8, 11)
 _RELEASED = 11  # on the lobby: a replaced log writer has closed the file
+_STOP, _STOP_ASK = 12, 13  # the clean stop (mpipipe.stop.ControlStop), on the control plane
 _CTL_LEN = 256
 _REASONS = {0: "none", 1: "late", 2: "failed", 3: "revoked", 4: "announced", 5: "rejoin"}
 REJOIN_WAIT_S = 300.0  # how long a replaced rank waits to be admitted or told the job ended
@@ -396,6 +399,8 @@ class ResPipe:
         self._gen_step = 0  # the step the current generation started at
         self._rebind_pipe()
         pipe.after_forward = self.faults.at_step  # kills and stalls inside a step
+        self.stopper = ControlStop(self, _STOP, _STOP_ASK)
+        set_wait_hook(lambda: self.stopper.check(boundary=False))
         # Every rank built the model from the same seed: before the first replica
         # arrives, a holder's copy of the initial state is the replica of step 0.
         for k in ([self.shadowing] if self.shadowing is not None else self.wards):
@@ -590,6 +595,7 @@ class ResPipe:
                     elif self.stage is not None:
                         if self.done >= total_steps:
                             break
+                        self.stopper.check(boundary=True)
                         self._stage_step()
                     else:
                         if self._backup_wait(total_steps):
@@ -598,15 +604,31 @@ class ResPipe:
                     rnd = self._round_from(e)
                 except _RoundStarted as e:
                     rnd = e.round
+                except DataFault as e:  # not this rank's failure: every rank stops
+                    raise self.stopper.fail(str(e)) from None
             except Demoted as e:
                 self._leave_log(e.generation)
                 if not self._rejoin(e):
                     raise
+            except StopRun as e:
+                self._stopped(e)
+                raise
         self._finish()
+        if self.stopper.pending is not None:  # a backup, told by its stage that it ended
+            raise self.stopper.pending
         elapsed = time.time() - t_start
         return {"steps": self.done, "elapsed_s": elapsed, "generation": self.gen,
                 "accuracy": self.last_eval, "loss": self.last_loss,
                 "takeovers": self.takeovers}
+
+    def _stopped(self, e: StopRun) -> None:
+        """A clean stop: on a signal, each stage writes its checkpoint and the run ends as
+        at its last step (backups told, rows written); on a data error nothing more."""
+        self.pipe.transport.discard()
+        if e.kind == "signal":
+            if self.stage is not None and self.checkpoint_dir is not None:
+                self._checkpoint()
+            self._finish()
 
     def _round_from(self, e: Exception) -> _Round:
         now = time.time()
@@ -989,6 +1011,7 @@ class ResPipe:
         stage_w = self.route_w[k]
         if self.control.poll(_END, self._drank(stage_w), seq=0) is not None:
             return True
+        self.stopper.check(boundary=True)
         self._poll_rejoin()
         self._check_announcements()
         if self.settings.mode == "hot":
@@ -1118,6 +1141,7 @@ class ResPipe:
         quick = min(grace, max(self._median_step() / 2, QUICK_GRACE_S))
         decision = None
         while decision is None:
+            self.stopper.check(boundary=False)  # a data error is no member's failure
             if self._demoted():
                 raise Demoted(self.gen + 1)
             for w in self.members:
@@ -1701,7 +1725,7 @@ def train(run: Any) -> int:
     then hands the steps to :class:`ResPipe`. A stage lost with no backup stops every
     survivor with one error line naming the stage (exit 2) and a closed, readable log.
     """
-    from . import checkpoint, data
+    from . import checkpoint, data, stop
     from . import train as plain
 
     s = plain.setup(run)
@@ -1720,7 +1744,8 @@ def train(run: Any) -> int:
             reader.append(data.TrainBatches(cfg["data"]["path"], cfg["data"]["batch_size"],
                                             seed=cfg["run"]["seed"],
                                             shuffle=cfg["data"]["shuffle"],
-                                            drop_last=cfg["data"]["drop_last"]))
+                                            drop_last=cfg["data"]["drop_last"],
+                                            num_classes=cfg["model"]["num_classes"]))
         return reader[0]
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -1764,6 +1789,12 @@ def train(run: Any) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2)
+    except StopRun as e:  # a data error or a stop signal: every rank leaves, none takes over
+        if rp.is_logger:
+            stop.announce(run.prog, e, size=run.size, checkpoint_dir=s.checkpoint_dir
+                          if e.kind == "signal" else None)
+            _close_log(run, e.status)
+        stop.flush_and_exit(e.exit_code)
     except Demoted as e:
         print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
               f"the job without sending anything", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import stop
 from .cli import Run, add_train_arguments, gather_figures, start_run
 from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from .lr import set_rate_for_step
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from . import data
     from .pipeline import Pipeline
 
-__all__ = ["add_parser", "main", "Setup", "setup", "make_optimizer", "agree", "train_step",
+__all__ = ["add_parser", "main", "Setup", "setup", "make_optimizer", "agree", "read_batch",
+           "train_step", "stopped",
            "evaluate", "save_checkpoint", "train"]
 
 PROG = "mpipipe train"
@@ -134,8 +136,12 @@ def setup(run: Run) -> Setup:
         in_shape = data.image_shape(path)
         total = data.run_steps(cfg)
         eval_batches = data.count_test_batches(path, cfg["data"]["batch_size"])
+        note = data.check_labels(path, cfg["model"]["num_classes"])
+        data.verify_split(path, "test", cfg["model"]["num_classes"])
     except data.DataError as e:
         run.fail(e)
+    if note and run.rank == 0:
+        print(f"{run.prog}: note: {note}", file=sys.stderr, flush=True)
     k, m = cfg["pipeline"]["stages"], cfg["pipeline"]["chunks"]
     run.progress.total = max(total, 1)
 
@@ -199,7 +205,8 @@ def setup(run: Run) -> Setup:
         setup_.train_data = data.TrainBatches(path, cfg["data"]["batch_size"],
                                               seed=cfg["run"]["seed"],
                                               shuffle=cfg["data"]["shuffle"],
-                                              drop_last=cfg["data"]["drop_last"])
+                                              drop_last=cfg["data"]["drop_last"],
+                                              num_classes=cfg["model"]["num_classes"])
     error = None
     if state is not None:
         assert pipe.stage_module is not None
@@ -233,11 +240,27 @@ def setup(run: Run) -> Setup:
     return setup_
 
 
-def train_step(s: Setup, step: int) -> dict[str, float]:
-    """One optimizer step on this rank; returns its figures for the run log."""
+def read_batch(s: Setup) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str | None]:
+    """The first stage's next mini-batch, or this rank's fatal data error (one line)."""
+    from .data import DataFault
+
+    if s.train_data is None:
+        return None, None
+    try:
+        return s.train_data.next(), None
+    except DataFault as e:
+        return None, str(e)
+
+
+def train_step(s: Setup, step: int,
+               batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
+    """One optimizer step on this rank (``batch``: the first stage's, read already);
+    returns its figures for the run log."""
     pipe = s.pipe
     x = y = None
-    if s.train_data is not None:
+    if batch is not None:
+        x, y = batch
+    elif s.train_data is not None:
         x, y = s.train_data.next()
     pipe.transport.reset_counters()
     loss = pipe.step(x, y, s.loss_fn, step=step)
@@ -308,6 +331,19 @@ def _abort(s: Setup, step: int, error: Exception) -> None:
     run.comm.Abort(3)
 
 
+def stopped(s: Setup, halt: stop.StopRun) -> int:
+    """Every rank, after agreeing to stop: checkpoint (on a signal), one line, the log's
+    status; returns the exit status."""
+    run = s.run
+    if halt.kind == "signal" and s.checkpoint_dir is not None:
+        save_checkpoint(s, halt.step)
+    if run.rank == 0:
+        stop.announce(run.prog, halt, size=run.size,
+                      checkpoint_dir=s.checkpoint_dir if halt.kind == "signal" else None)
+    run.log.close(halt.status)
+    return halt.exit_code
+
+
 def train(run: Run) -> int:
     """The plain pipeline training loop (no backups); returns the exit status."""
     from .transport import Late, PeerFailed
@@ -328,8 +364,13 @@ def train(run: Run) -> int:
     t_prev = time.perf_counter()
     step = s.start_step
     for step in range(s.start_step, s.total_steps):
+        # A data error or a stop signal on any rank stops every rank here, together.
+        mini, error = read_batch(s)
+        halt = stop.agree(comm, error, step)
+        if halt is not None:
+            return stopped(s, halt)
         try:
-            figures = train_step(s, step)
+            figures = train_step(s, step, mini)
         except (Late, PeerFailed) as e:
             _abort(s, step, e)
         gathered = gather_figures(comm, figures)

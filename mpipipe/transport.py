@@ -6,7 +6,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,26 @@ SPIN_S = 50e-6
 YIELD_S = 2e-3
 FIRST_SLEEP_S = 50e-6
 MAX_SLEEP_S = 250e-6
+
+
+HOOK_EVERY_S = 0.01  # how often a long wait calls the wait hook
+_wait_hook: Callable[[], None] | None = None
+
+
+def set_wait_hook(hook: Callable[[], None] | None) -> None:
+    """Call ``hook()`` every HOOK_EVERY_S while any receive or flush waits; an exception it
+    raises ends the wait (the receive is cancelled). Why: ResPipe's clean stop reaches a
+    rank blocked on a peer that stopped (mpipipe.stop) long before that peer's deadline."""
+    global _wait_hook
+    _wait_hook = hook
+
+
+def _hook(waited: float, due: float) -> float:
+    """Run the wait hook if ``waited`` passed ``due``; returns the next due time."""
+    if _wait_hook is None or waited < due:
+        return due
+    _wait_hook()
+    return waited + HOOK_EVERY_S
 
 
 def pause(waited: float) -> None:
@@ -191,6 +211,7 @@ class Transport:
             PeerFailed: a receiver died.
         """
         start = time.perf_counter()
+        due = HOOK_EVERY_S
         try:
             while self._pending:
                 self._complete_sends()
@@ -200,6 +221,7 @@ class Transport:
                 if deadline is not None and waited > deadline:
                     dest = self._pending[0][2]
                     raise Late(dest, waited)
+                due = _hook(waited, due)
                 pause(waited)
         finally:
             self.wait_s += time.perf_counter() - start
@@ -268,6 +290,7 @@ class Transport:
         status = MPI.Status()
         start = time.perf_counter()
         message = None
+        due = HOOK_EVERY_S
         try:
             while True:
                 message = self.comm.Improbe(source, tag, status)
@@ -277,6 +300,7 @@ class Transport:
                 if deadline is not None and waited > deadline:
                     raise Late(source, waited, kind, step, micro)
                 self._complete_sends()
+                due = _hook(waited, due)
                 pause(waited)
         except MPI.Exception as exc:
             raise self._failure(exc, source) from exc
@@ -300,6 +324,7 @@ class Transport:
     def _wait(self, request: MPI.Request, status: MPI.Status, out: torch.Tensor, source: int,
               kind: int, step: int, micro: int, deadline: float | None) -> None:
         start = time.perf_counter()
+        due = HOOK_EVERY_S
         try:
             while True:
                 if request.Test(status):
@@ -309,6 +334,11 @@ class Transport:
                     self._cancel(request, out, source)
                     raise Late(source, waited, kind, step, micro)
                 self._complete_sends()
+                try:
+                    due = _hook(waited, due)
+                except BaseException:
+                    self._cancel(request, out, source)
+                    raise
                 pause(waited)
         except MPI.Exception as exc:
             raise self._failure(exc, source) from exc

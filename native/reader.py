@@ -359,6 +359,13 @@ def _load_manifest(directory: Path) -> dict[str, Any]:
             raise ShardError(f"{mpath}: {key!r} is missing or not a {kind.__name__}", path=str(mpath))
     if not manifest["shards"]:
         raise ShardError(f"{mpath}: lists no shards (empty data set)", path=str(mpath))
+    ranges = manifest.get("ranges", {})
+    if not isinstance(ranges, dict) or not all(
+            isinstance(span, list) and len(span) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in span)
+            and span[0] <= span[1] for span in ranges.values()):
+        raise ShardError(f"{mpath}: 'ranges' must map field names to [min, max] integer pairs",
+                         path=str(mpath))
     return manifest
 
 

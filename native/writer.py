@@ -210,6 +210,11 @@ class DatasetWriter:
         self._shards: list[dict[str, Any]] = []
         self._current: ShardWriter | None = None
         self.closed = False
+        # [min, max] of every scalar integer field (a label), for the manifest: a trainer
+        # checks them against its number of classes before it starts.
+        self._ranges: dict[str, list[int]] = {
+            f.name: [] for f in self.schema
+            if f.shape == () and np.issubdtype(np.dtype(f.dtype), np.integer)}
 
     def __len__(self) -> int:
         done = sum(s["records"] for s in self._shards)
@@ -219,6 +224,11 @@ class DatasetWriter:
         """Append records (same form as ShardWriter.write), starting new shards as needed."""
         arrays = {k: np.asarray(v) for k, v in batch.items()}
         n = len(next(iter(arrays.values()))) if arrays else 0
+        for name, span in self._ranges.items():
+            values = arrays.get(name)
+            if values is not None and values.size:
+                lo, hi = int(values.min()), int(values.max())
+                span[:] = [min(lo, span[0]), max(hi, span[1])] if span else [lo, hi]
         done = 0
         while done < n:
             if self._current is None:
@@ -270,6 +280,7 @@ class DatasetWriter:
             "schema": schema_to_json(self.schema),
             "records": sum(s["records"] for s in self._shards),
             "shards": self._shards,
+            "ranges": {name: span for name, span in self._ranges.items() if span},
         }
         _write_json_atomic(self.directory / MANIFEST, manifest)
         keep = {s["file"] for s in self._shards}

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpipipe.data import DataError
+import native
+from mpipipe.data import DataError, bad_label, damaged
 
 __all__ = ["DataError", "open_split", "to_tensors", "BatchStream"]
 
@@ -49,7 +50,9 @@ def to_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor
 class BatchStream:
     """Batches of any size from one or more (reader, record indices) parts, reshuffled per epoch."""
 
-    def __init__(self, parts: Sequence[tuple[Any, np.ndarray]], *, seed: int) -> None:
+    def __init__(self, parts: Sequence[tuple[Any, np.ndarray]], *, seed: int,
+                 num_classes: int | None = None) -> None:
+        self.num_classes = num_classes  # labels are checked against it as they are read
         self.parts = [(reader, np.asarray(idx, dtype=np.int64)) for reader, idx in parts
                       if len(idx)]
         self.sizes = [len(idx) for _, idx in self.parts]
@@ -86,7 +89,16 @@ class BatchStream:
             lo, hi = self._starts[p], self._starts[p + 1]
             mine = picks[(picks >= lo) & (picks < hi)] - lo
             if len(mine):
-                x, y = to_tensors(reader.read(np.sort(idx[mine])))
+                records = np.sort(idx[mine])
+                try:
+                    batch = reader.read(records)
+                except native.ShardError as e:
+                    raise damaged(e, reader.directory) from None
+                if self.num_classes is not None:
+                    fault = bad_label(reader, records, batch["label"], self.num_classes)
+                    if fault is not None:
+                        raise fault
+                x, y = to_tensors(batch)
                 xs.append(x)
                 ys.append(y)
         return (xs[0], ys[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(ys))

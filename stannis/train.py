@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpipipe import ft
+from mpipipe import ft, stop
 from mpipipe.cli import Run, start_run
-from mpipipe.data import test_batches
+from mpipipe.data import DataFault, label_range_ok, test_batches
 from mpipipe.inject import FaultPlan, parse_all
 from mpipipe.lr import decay, set_lr
 from mpipipe.models import build_model
@@ -55,6 +55,7 @@ STEP_FIGURES = ("compute_s", "batch_size", "loss_sum", "busy_s")
 LATE_FIGURES = ("wait_s", "joules", "bytes_sent", "bytes_recv")
 FIGURES = STEP_FIGURES + LATE_FIGURES
 FIG_BYTES = 8 * len(FIGURES)
+STOP_BYTES = 8  # the step's stop code (mpipipe.stop), reduced with the gradients
 # Start-up phases (benchmark, first plan) a job tries before it gives up: each failed
 # one dropped a dead CSD or hit an MPI error that a shrink did not explain.
 START_ATTEMPTS = 4
@@ -233,7 +234,10 @@ class Trainer:
             if share > 0:
                 given = np.arange(len(public) - int(round(share * len(public))), len(public))
                 parts.append((public, np.array_split(given, n)[self.role.index - 1]))
-        return BatchStream(parts, seed=seed * 1000 + self.world_rank), test
+        classes = cfg["model"]["num_classes"]
+        for reader in {id(r): r for r, _ in parts}.values():
+            label_range_ok(reader, classes)  # DataError: labels outside the model's classes
+        return BatchStream(parts, seed=seed * 1000 + self.world_rank, num_classes=classes), test
 
     def _in_shape(self) -> tuple[int, ...]:
         reader = self.stream.parts[0][0]
@@ -553,7 +557,11 @@ class Trainer:
         self.faults.at_step(index)
         self.stretch.extra = self.faults.slowdown(index)
         b = self.batches[pos]
-        compute_s, loss_sum = self._compute(b)
+        error = None
+        try:
+            compute_s, loss_sum = self._compute(b)
+        except DataFault as e:  # every rank learns it in this step's exchange, and stops
+            error, compute_s, loss_sum, b = str(e), 0.0, 0.0, 0
         # Busy time: from the end of the last gradient exchange to the start of this
         # one. It counts what compute_s does not (the optimizer, the host's logging and
         # evaluation), which the step time of the job pays all the same.
@@ -563,7 +571,14 @@ class Trainer:
         row = np.array([compute_s, b, loss_sum, busy_s, *self._post], dtype=np.float64)
         table = self._figure_table()
         self.reducer.reset_counters()
-        total = self.reducer.reduce(b, alongside=[self.comm.Igather(row, table, root=0)])
+        # A data error or a stop signal on any rank travels with the gradients (one float64).
+        code = np.array([stop.agree_code(self.comm, error)], dtype=np.float64)
+        worst = np.zeros(1)
+        total = self.reducer.reduce(b, alongside=[self.comm.Igather(row, table, root=0),
+                                                  self.comm.Iallreduce(code, worst, op=MPI.MAX)])
+        halt = stop.stop_from(self.comm, int(worst[0]), error, index)
+        if halt is not None:
+            raise halt  # before this step's update: the run ends with `index` steps done
         self._cycle = time.perf_counter()
         lr = scaled_lr(o["lr"], o["base_batch"], int(total), index, o["warmup_steps"])
         set_lr(self.optimizer, lr * decay(index, steps, o["schedule"]))
@@ -675,7 +690,7 @@ class Trainer:
             "accuracy": accuracy, "loss": getattr(self, "last_loss", math.nan),
             "final_batches": dict(zip(self.members, self.batches, strict=True)),
             "ranks": per_rank, "grad_bytes": self.reducer.payload_bytes,
-            "control_bytes": FIG_BYTES,
+            "control_bytes": FIG_BYTES + STOP_BYTES,
         }
         self.log.set_attr("summary", summary)
         self.run.progress.summary(steps=self.step, samples_per_s=summary["samples_per_s"],
@@ -697,6 +712,14 @@ def main(args: argparse.Namespace) -> int:
         if trainer is not None:
             trainer.log.drain()
         run.fail(e)
+    except stop.StopRun as e:  # every rank agreed in the step's exchange
+        trainer.flush_figures()
+        trainer.log.drain()
+        if trainer.is_host:
+            stop.announce(PROG, e, size=run.size, checkpoint_dir=None,
+                          unresumable="Stannis keeps no checkpoints; a new run starts over")
+        run.log.close(e.status)
+        return e.exit_code
     except HostLost as e:
         print(f"{PROG}: error: {e}", flush=True)
         return 1

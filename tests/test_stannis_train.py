@@ -103,7 +103,7 @@ def test_csds_send_only_gradients_and_control(tuned_and_equal) -> None:
     summary = json.loads(tuned.attrs["summary"])
     model = build_model("resnet", 10, (1, 8, 8))
     grad_bytes = 4 * (sum(p.numel() for p in model.parameters()) + 1)  # + the weight slot
-    control_bytes = 8 * 8  # one row of eight float64 step figures
+    control_bytes = 8 * 8 + 8  # one row of eight float64 step figures, and the stop code
     assert summary["grad_bytes"] == grad_bytes
     assert summary["control_bytes"] == control_bytes
     for r in range(1, 5):

@@ -12,6 +12,8 @@
 #
 # A third job launches the training CLI with a bare `srun` (no PMI: N
 # singletons) and must fail with the world-size message instead of training.
+# A fourth is stopped with `scancel --batch --signal=TERM` (what the scripts'
+# --signal=B:TERM@60 does at the time limit) and must leave a resumable run.
 #
 # Knobs (environment): MPIPIPE_VENV (default .venv), SLURM_TEST_TIMEOUT
 # (seconds to wait for the jobs, default 900), SLURM_TEST_KEEP=1 (keep the
@@ -296,6 +298,48 @@ if [[ $SMOKE == 0 ]]; then
         done
         die "the HDF5 logs do not hold what the jobs should have written"
     fi
+fi
+# --- 7. a stop request through Slurm leaves a resumable run ----------------------
+# `scancel --batch --signal=TERM` signals the batch shell only, as the time limit does
+# with the scripts' --signal=B:TERM@60; the shell asks every rank to stop (SIGUSR1 via
+# mpirun): the job ends with exit 143, its log says "interrupted at step S" and every
+# stage's checkpoint holds step S.
+if [[ $SMOKE == 0 ]]; then
+    STOP_CKPT=$STATE/stop-ckpt
+    STOP_JOB=$(submit --ntasks=3 "$RESPIPE_SBATCH" jobs/configs/respipe-digits.toml \
+        --set "run.steps=100000" --set "resilience.backups={}" --set "run.eval_every=0" \
+        --set "run.checkpoint_every=5" --set "run.checkpoint_dir=\"$STOP_CKPT\"" --quiet)
+    JOBS+=("$STOP_JOB")
+    say "submitted respipe job $STOP_JOB, to be stopped by scancel --batch --signal=TERM"
+    deadline=$(($(date +%s) + TIMEOUT_S))
+    until [[ -f $STOP_CKPT/stage-0.pt ]]; do
+        is_final "$(job_field "$STOP_JOB" JobState)" && die "job $STOP_JOB ended before its first checkpoint"
+        (($(date +%s) > deadline)) && die "job $STOP_JOB wrote no checkpoint in $TIMEOUT_S s"
+        sleep 1
+    done
+    scancel --batch --signal=TERM "$STOP_JOB"
+    until is_final "$(job_field "$STOP_JOB" JobState)"; do
+        (($(date +%s) > deadline)) && die "job $STOP_JOB did not stop after scancel --batch --signal=TERM"
+        sleep 1
+    done
+    out=$(job_field "$STOP_JOB" StdOut)
+    if [[ $(job_field "$STOP_JOB" ExitCode) != 143:0 ]] || ! grep -q "resume with: .*--resume $STOP_CKPT" "$out" ||
+        ! PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PY" - "runs/$STOP_JOB/respipe.h5" "$STOP_CKPT" <<'PYEOF'
+import sys
+import torch
+from mpipipe.runlog import open_log
+status = open_log(sys.argv[1]).attrs["status"]
+assert status.startswith("interrupted at step "), status
+step = int(status.rsplit(" ", 1)[1])
+for k in range(3):
+    assert torch.load(f"{sys.argv[2]}/stage-{k}.pt", weights_only=False)["step"] == step
+print(f"log {sys.argv[1]}: {status}; checkpoints at step {step}")
+PYEOF
+    then
+        cat "$out" >&2
+        die "job $STOP_JOB did not stop cleanly (exit $(job_field "$STOP_JOB" ExitCode))"
+    fi
+    say "job $STOP_JOB stopped cleanly: $(grep -m1 'interrupted by' "$out" | cut -c1-120)"
 fi
 say "PASS: respipe job $RESPIPE_JOB and stannis job $STANNIS_JOB completed; logs in runs/$RESPIPE_JOB and runs/$STANNIS_JOB"
 say "time from cold start: $(($(date +%s) - T_CLUSTER)) s (cluster up in $((T_UP - T_CLUSTER)) s)"
