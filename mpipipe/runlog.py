@@ -95,6 +95,8 @@ def _record(method: _Method) -> _Method:
 
     @wraps(method)
     def write(self: RunLog, *args: Any, **kwargs: Any) -> None:
+        if self._file is None and self._continued is not None:
+            self._continue()
         if self._file is None and self._queue is not None:
             try:
                 self._try_open()
@@ -138,6 +140,7 @@ class RunLog:
     _written_through: int | None = None  # taken over: the last step row the file had
     _ready: Callable[[], bool] | None = None  # taken over: has the previous writer let go?
     _expected: range | None = None  # the step rows close() checks for
+    _continued: dict[str, Any] | None = None  # a resumed run's log, not opened yet
 
     def __init__(
         self,
@@ -162,7 +165,8 @@ class RunLog:
         self._system = system
         self._t0 = time.time()
         if mode == "a":
-            self._file = self._reopen(config, comm_size)
+            self._file = None
+            self._check_continued(config, comm_size)
             return
         self._file: h5py.File | None = h5py.File(self.path, mode)
         f = self._file
@@ -186,23 +190,29 @@ class RunLog:
             f["events"].create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(64,))
         f.flush()
 
-    def _reopen(self, config: Mapping[str, Any], comm_size: int) -> h5py.File:
-        """Open an existing run log to continue it (a resumed run): same time axis."""
+    def _check_continued(self, config: Mapping[str, Any], comm_size: int) -> None:
+        """Check an existing run log that a resumed run continues, without writing to it:
+        the file opens for writing at the first record (:meth:`_continue`), so a run that
+        fails before it has recorded anything leaves the old log exactly as it was."""
+        with h5py.File(self.path, "r") as f:
+            found = (f.attrs.get("format"), f.attrs.get("system"))
+            if found != (FORMAT, self._system):
+                raise LogError(f"{self.path} is not a {self._system} run log (format "
+                               f"{found[0]!r}, system {found[1]!r}); will not write into it")
+            self._t0 = float(f.attrs["start_unix"])  # one time axis
+        self._continued = {"config": json.dumps(config, sort_keys=True),
+                           "world_size": comm_size, "command": " ".join(sys.argv),
+                           "status": "running"}
+
+    def _continue(self) -> None:
+        """Open the continued log for writing and mark it as this run's."""
+        assert self._continued is not None
         f = h5py.File(self.path, "r+")
-        found = (f.attrs.get("format"), f.attrs.get("system"))
-        if found != (FORMAT, self._system):
-            f.close()
-            raise LogError(f"{self.path} is not a {self._system} run log (format "
-                           f"{found[0]!r}, system {found[1]!r}); will not write into it")
         for group in (f["steps"], f["eval"], f["events"], *f["ranks"].values()):
             _trim(group)  # a run killed between two columns leaves them uneven
-        self._t0 = float(f.attrs["start_unix"])
-        f.attrs["config"] = json.dumps(config, sort_keys=True)
-        f.attrs["world_size"] = comm_size
-        f.attrs["command"] = " ".join(sys.argv)
-        f.attrs["status"] = "running"
+        f.attrs.update(self._continued)
         f.flush()
-        return f
+        self._file, self._continued = f, None
 
     @_record
     def cut_after(self, step: int) -> None:
@@ -251,7 +261,7 @@ class RunLog:
     @property
     def active(self) -> bool:
         """Whether this rank is the writer (its records reach the file, now or later)."""
-        return self._file is not None or self._queue is not None
+        return self._file is not None or self._queue is not None or self._continued is not None
 
     def take_over(self, ready: Callable[[], bool] | None = None) -> None:
         """Make this rank the writer of the log that rank 0 created.
@@ -282,7 +292,7 @@ class RunLog:
             self._file.close()
         elif self._queue:
             self._spill("released: another rank writes the run log now", "running")
-        self._file, self._queue = None, None
+        self._file, self._queue, self._continued = None, None, None
 
     def _try_open(self, wait_s: float = 0.0) -> bool:
         """Open a taken-over log (retrying for ``wait_s``) and write what waited.
@@ -462,6 +472,8 @@ class RunLog:
         if self._file is None and self._queue is not None and not self._try_open(wait_s):
             raise self._cannot(f"still held by the run's previous log writer after "
                                f"{wait_s:.0f} s", status=status)
+        if self._file is None and self._continued is not None and status == "completed":
+            self._continue()  # (a run that recorded nothing, yet completed)
         if self._file is None:
             return status
         if status == "completed" and self._expected is not None:

@@ -162,8 +162,12 @@ def test_resumed_log_drops_the_rows_after_the_checkpoint_and_keeps_one_time_axis
     t0 = open_log(path).attrs["start_unix"]
     with pytest.raises(OSError):
         RunLog(path, system="mpipipe", config={}, comm_size=2, mode="x")
+    before, mtime = path.read_bytes(), path.stat().st_mtime_ns
+    failed = RunLog(path, system="mpipipe", config={"new": 1}, comm_size=2, mode="a")
+    failed.close("failed: the checkpoint does not fit")  # before any record: untouched
+    assert path.read_bytes() == before and path.stat().st_mtime_ns == mtime
     again = RunLog(path, system="mpipipe", config={"new": 1}, comm_size=2, mode="a")
-    assert again.start == t0
+    assert again.start == t0 and again.active
     again.cut_after(5)
     again.expect_steps(6, 8)
     for s in (6, 7, 8):
@@ -272,3 +276,15 @@ def test_a_backup_on_rank_0_leaves_a_complete_log(runs, fault):
         assert (takeover["rank"], takeover["detail"]["stage"]) == (0, 0)
         assert [(e["rank"], e["detail"]["previous"]) for e in run.events_of("log_writer_moved")] \
             == [(2, 1)]
+
+
+@pytest.mark.timeout(600)
+def test_a_stall_aimed_at_a_backup_fires_and_the_run_goes_on(runs):
+    # The stage's replica waits for the sleeping backup past the deadline: a round
+    # leaves the backup out, and the run goes on without it (it may rejoin later).
+    result, log = runs("backup-stall-cold", 4, "inject:stall:rank=3:step=7:seconds=4")
+    run = _complete(result, log)
+    assert [(e["rank"], e["step"]) for e in run.events_of("fault_injected")] == [(3, 7)]
+    lost = [e for e in run.events if e["kind"] in ("failure_detected", "late")]
+    assert [(e["rank"], e["detail"]["backup_of"]) for e in lost][:1] == [(3, 1)], run.events
+    assert not run.events_of("takeover")
