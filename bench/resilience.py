@@ -56,7 +56,7 @@ def _train(work: Path, name: str, ranks: int, steps: int, *settings: str,
             "--config", str(ROOT / "jobs" / "configs" / "respipe-digits.toml"),
             "--set", f'data.path="{work / "digits"}"', "--set", f"run.steps={steps}",
             "--set", f"run.eval_every={max(steps // 24, 1)}", "--set", f"data.batch_size={BATCH}",
-            "--log", str(log)]
+            "--log", str(log), "--overwrite"]  # a re-run with the same --keep replaces it
     for s in settings:
         cmd += ["--inject", s[7:]] if s.startswith("inject:") else ["--set", s]
     result = run_mpi(ranks, cmd, ulfm=ulfm, timeout=60 + steps)

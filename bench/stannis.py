@@ -103,8 +103,9 @@ def worker(args: argparse.Namespace) -> None:
     from stannis.config import STANNIS_CHOICES, STANNIS_DEFAULTS, emulation, stannis_plan
     from stannis.train import Trainer, equal_split
 
+    # The bench owns its log (a re-run with the same --keep replaces it).
     ns = argparse.Namespace(config=args.config, set=args.set, log=args.log, quiet=True, resume=None,
-                            inject=[])
+                            inject=[], overwrite=True)
     run = start_run(ns, prog="bench/stannis.py", system="stannis", defaults=STANNIS_DEFAULTS,
                     choices=STANNIS_CHOICES, build_plan=stannis_plan,
                     inject_key=("stannis", "inject"), emulation=emulation)
@@ -259,6 +260,7 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(result))
         tr.log.set_attr("summary", result)
     tr.log.drain()
+    run.log.expect_steps(1, tr.step)  # the bench's own phases, not run.steps
     run.log.close()
 
 

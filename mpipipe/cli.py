@@ -3,7 +3,10 @@
 Both systems take the same options (``--config``, ``--set``, ``--log``,
 ``--inject``, ``--resume``) and start a run the same way: check the MPI world
 against the launcher, load and check the configuration, check the launch plan,
-and open the HDF5 log on rank 0. Any error stops every rank with one line.
+check the injected faults, and open the HDF5 log on the plan's log rank (the lowest
+stage, or the host). Any error stops every rank with one line, and no log is created
+or replaced before those checks pass; an existing log is refused unless the user
+says ``--overwrite`` (or ``--resume``, which continues it).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, load_config
+from .inject import FaultError, check_reachable, parse_all
 from .progress import Progress
 from .roles import LaunchPlan, PlanError, check_world_size, fail_fast
-from .runlog import RunLog
+from .runlog import LogError, RunLog
 
 __all__ = ["Run", "add_train_arguments", "start_run", "gather_figures"]
 
@@ -38,9 +42,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log", metavar="RUN.h5",
-        help="HDF5 run log, written by rank 0 (under ResPipe by a survivor if rank 0 "
-             "leaves) (default: runs/<system>-<time>.h5)",
+        help="HDF5 run log, written by the lowest stage rank (Stannis: the host; under "
+             "ResPipe by a survivor if that rank leaves) (default: runs/<system>-<time>.h5). "
+             "An existing file is refused unless --overwrite (or --resume, which appends)",
     )
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --log file (default: refuse it)")
     parser.add_argument(
         "--inject", metavar="SPEC", action="append", default=[],
         help="inject a fault (repeatable): kill:stage=K:step=S[:micro=M], "
@@ -48,7 +55,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
              "slow:rank=R:step=S:factor=F (micro=M: inside step S, after the forward of "
              "micro-batch M)",
     )
-    parser.add_argument("--resume", metavar="DIR", help="continue from the checkpoints in DIR")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue from the checkpoints in DIR; an existing --log is the "
+                             "run's own log, continued (its rows after the checkpoint's step "
+                             "are dropped: those steps run again)")
     parser.add_argument("--quiet", action="store_true", help="no progress display (the summary line stays)")
 
 
@@ -76,6 +86,59 @@ def default_log_path(system: str) -> Path:
     return Path("runs") / f"{system}-{time.strftime('%Y%m%d-%H%M%S')}.h5"
 
 
+def planned_steps(cfg: Mapping[str, Any]) -> int:
+    """The optimizer steps a pipeline run will take (:func:`mpipipe.data.run_steps`), or 0
+    if the data set cannot be read yet (its own check reports that). No torch: this runs
+    before it."""
+    from .data import DataError, run_steps
+
+    try:
+        return run_steps(cfg)
+    except DataError:
+        return 0
+
+
+def check_faults(cfg: Mapping[str, Any], plan: LaunchPlan, specs: list[str], steps: int) -> None:
+    """Refuse a malformed fault, or one that can never fire in this run (see
+    :func:`mpipipe.inject.check_reachable`), before torch is imported or a log is opened.
+
+    Raises:
+        FaultError: the first bad fault, named, with the reason.
+    """
+    faults = parse_all(specs)
+    pipeline = cfg.get("pipeline")
+    check_reachable(faults, plan, steps=steps or None,
+                    chunks=pipeline["chunks"] if pipeline else None,
+                    mode=cfg["resilience"]["mode"] if "resilience" in cfg else None)
+
+
+def own_log(resume: str | None) -> Path | None:
+    """The log of the run whose checkpoints ``--resume`` names, if it is beside them:
+    a run checkpoints into ``<log>-ckpt`` unless run.checkpoint_dir says otherwise."""
+    if not resume:
+        return None
+    directory = Path(resume)
+    if not directory.name.endswith("-ckpt"):
+        return None
+    log = directory.with_name(directory.name[:-len("-ckpt")] + ".h5")
+    return log if log.is_file() else None
+
+
+def _log_mode(path: Path, args: argparse.Namespace) -> tuple[str, str | None]:
+    """How the writer opens ``path``: ``x`` (a new file), ``w`` (--overwrite) or ``a``
+    (--resume continues it); or an error line when the file must not be touched."""
+    if not path.exists():
+        return "x", None
+    if path.is_dir():
+        return "x", f"--log {path} is a directory; give a file name, e.g. {path / 'run.h5'}"
+    if args.overwrite:
+        return "w", None
+    if args.resume:
+        return "a", None
+    return "x", (f"the run log {path} exists; pass --overwrite to replace it, or pick "
+                 "another --log")
+
+
 def start_run(
     args: argparse.Namespace,
     *,
@@ -88,7 +151,12 @@ def start_run(
     emulation: Callable[[dict, LaunchPlan], Mapping[str, Any]] | None = None,
     total_steps: Callable[[dict], int] = lambda cfg: cfg["run"]["steps"],
 ) -> Run:
-    """Check the world, the configuration and the plan; open the log. Exits 2 on any error."""
+    """Check the world, the configuration, the plan and the faults; then open the log.
+
+    Exits 2 on any error, on every rank, with one line; nothing is written before
+    every check has passed, and an existing log is left as it was unless the user
+    asked to overwrite (``--overwrite``) or continue (``--resume``) it.
+    """
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -96,42 +164,56 @@ def start_run(
     try:
         check_world_size(size)
         cfg = load_config(args.config, args.set, defaults, choices)
+        section, key = inject_key
         if args.inject:
-            section, key = inject_key
             cfg[section][key] = list(cfg[section][key]) + list(args.inject)
         plan = build_plan(cfg, size)
-    except (ConfigError, PlanError) as e:
+        total = total_steps(cfg)
+        check_faults(cfg, plan, list(cfg[section][key]), total)
+    except (ConfigError, PlanError, FaultError) as e:
         fail_fast(comm, e, prog, rank)
+
+    # The writer decides about the file (it may be the only rank that sees it), and
+    # every rank learns the verdict, so that a refusal stops all of them at once.
+    writer = plan.log_rank
+    path = mode = error = None
+    if rank == writer:
+        path = Path(args.log) if args.log else own_log(args.resume) or default_log_path(system)
+        mode, error = _log_mode(path, args)
+    error = comm.bcast(error, root=writer)
+    if error:
+        fail_fast(comm, error, prog, rank)
 
     import torch
 
     torch.set_num_threads(max(1, int(cfg["run"].get("threads", 1))))
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg["run"].get("threads", 1)))
 
-    # Rank 0 opens the log; everyone learns whether that worked, so a bad path
-    # stops all ranks instead of leaving the others waiting for rank 0.
+    # The writer opens the log; everyone learns whether that worked, so a bad path
+    # stops all ranks instead of leaving the others waiting for the writer.
     # The others learn the file and its start time too, so that a survivor can take
-    # the log over if rank 0 dies (ResPipe).
+    # the log over if the writer dies (ResPipe).
     log: RunLog = RunLog.null()
-    error = None
-    if rank == 0:
-        path = Path(args.log) if args.log else default_log_path(system)
+    if rank == writer:
+        assert path is not None and mode is not None
         try:
             log = RunLog(path, system=system, config=cfg, comm_size=size,
                          emulation=emulation(cfg, plan) if emulation else None,
-                         attrs={"plan": plan.describe()})
-        except OSError as e:
+                         attrs={"plan": plan.describe()}, mode=mode)
+        except (OSError, LogError) as e:
             error = f"cannot write the run log {path}: {e}"
     error, where, start = comm.bcast((error, str(log.path.resolve()) if log.active else None,
-                                      log.start), root=0)
+                                      log.start), root=writer)
     if error:
         fail_fast(comm, error, prog, rank)
-    if rank != 0:
+    if rank != writer:
         log = RunLog.null(where, start, system=system)
     from . import stop
 
     stop.install()  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.stop)
-    progress = Progress(total_steps(cfg), enabled=(rank == 0), quiet=args.quiet,
+    if total > 0:
+        log.expect_steps(1, total)
+    progress = Progress(total, enabled=(rank == writer), quiet=args.quiet,
                         every=cfg["run"].get("log_every", 10), prog=prog)
     return Run(comm, rank, size, cfg, plan, log, progress, args, prog)
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["Fault", "FaultError", "FaultPlan", "parse", "parse_all", "KINDS"]
+if TYPE_CHECKING:
+    from .roles import LaunchPlan
+
+__all__ = ["Fault", "FaultError", "FaultPlan", "parse", "parse_all", "check_reachable", "KINDS"]
 
 KINDS = ("kill", "stall", "delay", "slow")
 
@@ -129,6 +133,74 @@ def parse(spec: str) -> Fault:
 def parse_all(specs: Iterable[str]) -> list[Fault]:
     """Parse every spec; the first bad one raises :class:`FaultError`."""
     return [parse(s) for s in specs]
+
+
+def _target_rank(f: Fault, plan: LaunchPlan) -> int | None:
+    """The world rank a fault hits at launch (None: a stage the plan does not have)."""
+    if f.rank is not None:
+        return f.rank
+    ranks = plan.ranks_of("stage", f.stage)
+    return ranks[0] if ranks else None
+
+
+def _never(f: Fault, why: str) -> FaultError:
+    return FaultError(f"fault {f}: {why}; it would never fire")
+
+
+def check_reachable(faults: Sequence[Fault], plan: LaunchPlan, *, steps: int | None,
+                    chunks: int | None = None, mode: str | None = None) -> None:
+    """Refuse every fault that can never fire in this run, before any work starts.
+
+    Why: a fault that silently does nothing makes a resilience experiment look like a
+    success. Checked against the world and the plan's roles (a stage that does not
+    exist, a rank outside the world, a micro-batch on a rank that runs none, a slow-down
+    of a backup, which computes nothing), the run's ``steps`` (0-based fault steps must
+    be below it; None: not known yet, not checked), ``chunks`` (micro-batches per step)
+    and earlier kills (a fault on a rank killed before it is due). ``mode`` is ResPipe's
+    resilience mode (None: not a pipeline job).
+
+    Raises:
+        FaultError: the first fault that cannot fire, named, with the reason.
+    """
+    world = plan.world_size
+    stages = sorted({role.index for role in plan.roles if role.kind == "stage"})
+    for f in faults:
+        if f.rank is not None and not 0 <= f.rank < world:
+            raise _never(f, f"there is no rank {f.rank} (the MPI world has ranks 0..{world - 1})")
+        if f.stage is not None and f.stage not in stages:
+            have = f"stages 0..{stages[-1]}" if stages else "no stages"
+            raise _never(f, f"stage {f.stage} does not exist (the plan has {have})")
+        if steps is not None and f.step >= steps:
+            what = "is due at" if f.kind in ("kill", "stall") else "starts at"
+            raise _never(f, f"it {what} step {f.step}, beyond the run (run.steps = {steps}: "
+                            f"steps 0..{steps - 1})")
+        if chunks is not None and f.micro >= chunks:
+            raise _never(f, f"micro-batch {f.micro} does not exist (pipeline.chunks = {chunks}: "
+                            f"micro-batches 0..{chunks - 1})")
+        if f.kind == "delay" and f.p == 0:
+            raise _never(f, "p=0")
+        if f.kind == "slow" and f.factor == 1:
+            raise _never(f, "factor=1 slows nothing")
+        role = plan.role_of(f.rank) if f.rank is not None else None
+        if role is not None and role.kind == "backup":
+            if f.kind == "slow":
+                raise _never(f, f"rank {f.rank} is a backup of stage {role.index}, which "
+                                "computes nothing to slow down; aim it at a stage")
+            if f.micro >= 0 and mode != "hot":
+                raise _never(f, f"rank {f.rank} is a backup of stage {role.index}: in "
+                                f"{mode or 'cold'} mode it runs no micro-batch; drop micro=")
+    # A fault on a rank that an earlier kill has ended: (step, micro) orders them, -1
+    # (the start of a step) before micro-batch 0; at the same point, listing order.
+    for i, kill in enumerate(faults):
+        if kill.kind != "kill":
+            continue
+        dead = _target_rank(kill, plan)
+        for j, f in enumerate(faults):
+            if j == i or _target_rank(f, plan) != dead:
+                continue
+            at = (f.step, f.micro if f.kind in ("kill", "stall") else -1)
+            if at > (kill.step, kill.micro) or (at == (kill.step, kill.micro) and j > i):
+                raise _never(f, f"its target (rank {dead}) is killed before, by {kill}")
 
 
 class FaultPlan:

@@ -107,12 +107,14 @@ def round_patience(silent: Sequence[int], late: Iterable[int], members: int, gra
 class StageLost(RuntimeError):
     """A stage failed and no backup (or neighbour) is left to serve it."""
 
-    def __init__(self, stage: int, rank: int, reason: str) -> None:
+    def __init__(self, stage: int, rank: int, reason: str, had: int = 0) -> None:
         self.stage, self.rank, self.reason = stage, rank, reason
         hint = "" if ft.ulfm_enabled() else " and run under mpirun --with-ft ulfm to survive dead ranks"
+        more = "one" if had == 0 else f"{had + 1} (it had {had})"
         super().__init__(
             f"stage {stage} (world rank {rank}) {reason} and has no backup left: the pipeline "
-            f"cannot continue. Give it one with resilience.backups = {{{stage} = 1}}{hint}")
+            f"cannot continue. Give it {more} with resilience.backups = "
+            f"{{{stage} = {had + 1}}}{hint}")
 
 
 class Demoted(RuntimeError):
@@ -155,14 +157,8 @@ class Settings:
         if sec["mode"] == "neighbour" and _backup_counts(sec.get("backups", {}), stages):
             raise ValueError("resilience.mode = \"neighbour\" needs no backup ranks (each "
                              "stage's neighbour holds its replica): set resilience.backups = {}")
+        # Whether each fault can fire was checked at start-up (cli.check_faults).
         faults = tuple(parse_all(sec.get("inject", [])))
-        for f in faults:
-            if f.stage is not None and f.stage >= stages:
-                raise ValueError(f"fault {f}: stage {f.stage} does not exist "
-                                 f"(stages 0..{stages - 1})")
-            if f.micro >= chunks:
-                raise ValueError(f"fault {f}: micro-batch {f.micro} does not exist "
-                                 f"(pipeline.chunks = {chunks}: micro-batches 0..{chunks - 1})")
         return cls(_backup_counts(sec.get("backups", {}), stages), r, sec["mode"],
                    float(sec["deadline_s"]), float(sec["deadline_factor"]), faults)
 
@@ -350,7 +346,7 @@ class ResPipe:
         self.batch_size = int(cfg["data"]["batch_size"])
         self.ulfm = ft.ulfm_enabled()
         self.gen = 0
-        self.log_w = 0  # world rank writing the log: rank 0 opened it; a round moves it
+        self.log_w = plan.log_rank  # world rank writing the log (it opened it); a round moves it
         self.recent_figs: deque[list[float]] = deque(maxlen=3)  # this rank's, for a new writer
         self._rebuilt: dict[int, list[int]] = {}  # new writer: step -> ranks resending figures
         data = self.world.Dup()
@@ -397,6 +393,7 @@ class ResPipe:
         self._early: dict[int, np.ndarray] = {}
         self._rejoin_requests: dict[int, float] = {}  # replaced rank -> when it was told
         self._gen_step = 0  # the step the current generation started at
+        self._faults_at = -1  # a backup: the last step its faults were fired for
         self._rebind_pipe()
         pipe.after_forward = self.faults.at_step  # kills and stalls inside a step
         self.stopper = ControlStop(self, _STOP, _STOP_ASK)
@@ -1014,6 +1011,12 @@ class ResPipe:
         self.stopper.check(boundary=True)
         self._poll_rejoin()
         self._check_announcements()
+        # A fault aimed at this backup (rank=R) fires once it knows the stage has begun
+        # the step: at each replica (cold), or as it mirrors the step (hot; micro= fires
+        # after the mirrored forward).
+        while self._faults_at < min(self.done, total - 1):
+            self._faults_at += 1
+            self.faults.at_step(self._faults_at)
         if self.settings.mode == "hot":
             self._mirror_step(k, stage_w)
             return False
@@ -1360,7 +1363,7 @@ class ResPipe:
             self._log_event("stage_lost", P, stage_before[k], stage=k, reason=d["reason"])
             self._flush_rows_until(P)
             raise StageLost(k, stage_before[k], "failed" if d["reason"] == "failed"
-                            else "stopped responding")
+                            else "stopped responding", had=len(self.plan.ranks_of("backup", k)))
         go_on = bool(d["go_on"])
         if not go_on:  # the step is replayed from its start
             self.pipe.abandon()
@@ -1385,6 +1388,7 @@ class ResPipe:
                 else:
                     self._promote(k, d["choices"][k], P)
         lost_stages = [k for k, w in stage_before.items() if w not in d["members"]]
+        backups_before = self.backups_w
         self.route_w = list(d["route"])
         self.backups_w = {k: list(bs) for k, bs in d["backups"].items()}
         if self.stage is None and self.shadowing is not None and not go_on:
@@ -1402,9 +1406,16 @@ class ResPipe:
         if self.is_logger:
             kind = "failure_detected" if d["reason"] == "failed" or d["shrink"] else "late"
             for w in gone:
+                backup_of = next((k for k, bs in backups_before.items() if w in bs), -1)
                 self._log_event(kind, P, w, detected_after_s=detected_after,
                                 how="ulfm" if d["shrink"] else "deadline",
-                                stage=next((k for k, x in stage_before.items() if x == w), -1))
+                                stage=next((k for k, x in stage_before.items() if x == w), -1),
+                                backup_of=backup_of)
+                if backup_of >= 0 and self.progress is not None:
+                    left = len(self.backups_w.get(backup_of, []))
+                    self.progress.message(f"backup rank {w} of stage {backup_of} lost "
+                                          f"({kind}); stage {backup_of} has {left} "
+                                          f"backup{'' if left == 1 else 's'} left")
             for k in lost_stages:
                 w_new = self.route_w[k] if d["merge"] < 0 else self.route_w[max(k - 1, 0)]
                 ev = {"kind": "takeover", "step": P, "rank": w_new, "stage": k,

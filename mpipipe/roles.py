@@ -81,6 +81,14 @@ class LaunchPlan:
     def describe(self) -> str:
         return ", ".join(f"{r}={role}" for r, role in enumerate(self.roles))
 
+    @property
+    def log_rank(self) -> int:
+        """The world rank that opens and writes the run log: the lowest stage rank (the
+        host in Stannis). Why not rank 0: any rank may be a backup, and a backup has no
+        figures of its own to log and learns of steps only through its replicas."""
+        return min((r for r, role in enumerate(self.roles) if role.kind in ("stage", "host")),
+                   default=0)
+
     @classmethod
     def from_table(cls, table: Mapping[str, Any], world_size: int) -> LaunchPlan:
         """Build a plan from an explicit ``role name -> rank`` table (config ``[plan]``).

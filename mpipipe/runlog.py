@@ -95,6 +95,8 @@ def _record(method: _Method) -> _Method:
 
     @wraps(method)
     def write(self: RunLog, *args: Any, **kwargs: Any) -> None:
+        if self._file is None and self._continued is not None:
+            self._continue()
         if self._file is None and self._queue is not None:
             try:
                 self._try_open()
@@ -137,6 +139,8 @@ class RunLog:
     _queue: list[tuple[Callable[..., None], tuple, dict]] | None = None  # taken over, not open
     _written_through: int | None = None  # taken over: the last step row the file had
     _ready: Callable[[], bool] | None = None  # taken over: has the previous writer let go?
+    _expected: range | None = None  # the step rows close() checks for
+    _continued: dict[str, Any] | None = None  # a resumed run's log, not opened yet
 
     def __init__(
         self,
@@ -147,12 +151,24 @@ class RunLog:
         comm_size: int,
         emulation: Mapping[str, Any] | None = None,
         attrs: Mapping[str, Any] | None = None,
+        mode: str = "w",
     ) -> None:
+        """Create the log (``mode`` ``w``: replace a file there, ``x``: refuse one), or
+        continue an existing run log (``a``: a resumed run; see :meth:`cut_after`).
+
+        Raises:
+            LogError: ``a`` on a file that is not a run log of ``system``.
+            OSError: the file cannot be created (``x``: it exists) or opened.
+        """
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._system = system
         self._t0 = time.time()
-        self._file: h5py.File | None = h5py.File(self.path, "w")
+        if mode == "a":
+            self._file = None
+            self._check_continued(config, comm_size)
+            return
+        self._file: h5py.File | None = h5py.File(self.path, mode)
         f = self._file
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
@@ -174,6 +190,59 @@ class RunLog:
             f["events"].create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(64,))
         f.flush()
 
+    def _check_continued(self, config: Mapping[str, Any], comm_size: int) -> None:
+        """Check an existing run log that a resumed run continues, without writing to it:
+        the file opens for writing at the first record (:meth:`_continue`), so a run that
+        fails before it has recorded anything leaves the old log exactly as it was."""
+        with h5py.File(self.path, "r") as f:
+            found = (f.attrs.get("format"), f.attrs.get("system"))
+            if found != (FORMAT, self._system):
+                raise LogError(f"{self.path} is not a {self._system} run log (format "
+                               f"{found[0]!r}, system {found[1]!r}); will not write into it")
+            self._t0 = float(f.attrs["start_unix"])  # one time axis
+        self._continued = {"config": json.dumps(config, sort_keys=True),
+                           "world_size": comm_size, "command": " ".join(sys.argv),
+                           "status": "running"}
+
+    def _continue(self) -> None:
+        """Open the continued log for writing and mark it as this run's."""
+        assert self._continued is not None
+        f = h5py.File(self.path, "r+")
+        for group in (f["steps"], f["eval"], f["events"], *f["ranks"].values()):
+            _trim(group)  # a run killed between two columns leaves them uneven
+        f.attrs.update(self._continued)
+        f.flush()
+        self._file, self._continued = f, None
+
+    @_record
+    def cut_after(self, step: int) -> None:
+        """Drop the rows of steps after ``step`` (steps, per-rank figures, evaluations):
+        a resumed run runs them again from its checkpoint of ``step``, so that every
+        step keeps one row. Events stay (they happened). Records ``rows_dropped``."""
+        assert self._file is not None
+        dropped = 0
+        for group in (self._file["steps"], self._file["eval"], *self._file["ranks"].values()):
+            if "step" not in group:
+                continue
+            keep = group["step"][()] <= step
+            if keep.all():
+                continue
+            dropped += int((~keep).sum()) if group.name == "/steps" else 0
+            for ds in list(group.values()):
+                if isinstance(ds, h5py.Dataset):
+                    kept = ds[()][keep]
+                    ds.resize((len(kept),))
+                    ds[:] = kept
+        if dropped:
+            self.event("rows_dropped", step=step, rows=dropped,
+                       why=f"the run resumed from its checkpoint of step {step}")
+        self._file.flush()
+
+    def expect_steps(self, first: int, last: int) -> None:
+        """The step rows this run must leave (1-based, both ends included); :meth:`close`
+        checks them. Set on every rank: a rank that takes the log over checks too."""
+        self._expected = range(first, last + 1)
+
     @classmethod
     def null(cls, path: str | Path | None = None, start: float | None = None,
              system: str = "mpipipe") -> RunLog:
@@ -192,7 +261,7 @@ class RunLog:
     @property
     def active(self) -> bool:
         """Whether this rank is the writer (its records reach the file, now or later)."""
-        return self._file is not None or self._queue is not None
+        return self._file is not None or self._queue is not None or self._continued is not None
 
     def take_over(self, ready: Callable[[], bool] | None = None) -> None:
         """Make this rank the writer of the log that rank 0 created.
@@ -223,7 +292,7 @@ class RunLog:
             self._file.close()
         elif self._queue:
             self._spill("released: another rank writes the run log now", "running")
-        self._file, self._queue = None, None
+        self._file, self._queue, self._continued = None, None, None
 
     def _try_open(self, wait_s: float = 0.0) -> bool:
         """Open a taken-over log (retrying for ``wait_s``) and write what waited.
@@ -388,10 +457,13 @@ class RunLog:
         self._file.attrs[key] = value if isinstance(value, str | int | float) else json.dumps(value, default=_jsonable)
         self._file.flush()
 
-    def close(self, status: str = "completed", wait_s: float = 30.0) -> None:
+    def close(self, status: str = "completed", wait_s: float = 30.0) -> str:
         """Mark the run finished (``completed`` or ``failed: why``) and close the file.
 
         A writer that took over waits up to ``wait_s`` for the previous one to let go.
+        A run whose file lacks a row of a step it ran (:meth:`expect_steps`) is not
+        ``completed`` but ``incomplete: ...``, naming the steps (and one error line
+        says so): a log must not claim what it does not hold. Returns the status written.
 
         Raises:
             LogError: the previous writer never let go, or the file could not be opened;
@@ -400,18 +472,40 @@ class RunLog:
         if self._file is None and self._queue is not None and not self._try_open(wait_s):
             raise self._cannot(f"still held by the run's previous log writer after "
                                f"{wait_s:.0f} s", status=status)
+        if self._file is None and self._continued is not None and status == "completed":
+            self._continue()  # (a run that recorded nothing, yet completed)
         if self._file is None:
-            return
+            return status
+        if status == "completed" and self._expected is not None:
+            steps = self._file["steps"]
+            have = set(steps["step"][()].tolist()) if "step" in steps else set()
+            missing = [s for s in self._expected if s not in have]
+            if missing:
+                status = (f"incomplete: no row for {len(missing)} of the {len(self._expected)} "
+                          f"steps run (steps {_spans(missing)})")
+                print(f"mpipipe: error: {self.path}: {status}", file=sys.stderr, flush=True)
         self._file.attrs["status"] = status
         self._file.attrs["end_time"] = datetime.now(UTC).isoformat(timespec="seconds")
         self._file.close()
         self._file = None
+        return status
 
     def __enter__(self) -> RunLog:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close("completed" if exc_type is None else f"failed: {exc}")
+
+
+def _spans(steps: Sequence[int]) -> str:
+    """``1-3, 7, 9-10`` for [1, 2, 3, 7, 9, 10] (sorted)."""
+    out: list[str] = []
+    for s in steps:
+        if out and int(out[-1].rsplit("-", 1)[-1]) == s - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{s}"
+        else:
+            out.append(str(s))
+    return ", ".join(out)
 
 
 def _jsonable(obj: Any) -> Any:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import stop
-from .cli import Run, add_train_arguments, gather_figures, start_run
+from .cli import Run, add_train_arguments, gather_figures, planned_steps, start_run
 from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from .lr import set_rate_for_step
 from .roles import pipeline_plan
@@ -228,12 +228,15 @@ def setup(run: Run) -> Setup:
         setup_.start_step = comm.bcast(state.step if state is not None else None,
                                        root=route.ranks[0])
         pipe.step_count = setup_.start_step
+        run.log.cut_after(setup_.start_step)  # a continued log: those steps run again
         run.log.event("resume", step=setup_.start_step, directory=str(run.args.resume))
+    run.log.expect_steps(setup_.start_step + 1, total)
 
     ckpt = cfg["run"]["checkpoint_dir"]
     if not ckpt and cfg["run"]["checkpoint_every"] > 0:
-        log_path = run.log.path if run.rank == 0 else None
-        log_path = comm.bcast(str(log_path) if log_path else None, root=0)
+        writer = run.plan.log_rank
+        log_path = run.log.path if run.rank == writer else None
+        log_path = comm.bcast(str(log_path) if log_path else None, root=writer)
         ckpt = str(Path(log_path).with_suffix("")) + "-ckpt" if log_path else "checkpoints"
     setup_.checkpoint_dir = Path(ckpt) if ckpt else None
     run.log.set_attr("balance", balance)
@@ -419,7 +422,8 @@ def _ulfm() -> bool:
 def main(args: argparse.Namespace) -> int:
     """Body of `python -m mpipipe train`: set up the run, then train (plain or ResPipe)."""
     run = start_run(args, prog=PROG, system="mpipipe", defaults=PIPELINE_DEFAULTS,
-                    choices=PIPELINE_CHOICES, build_plan=pipeline_plan)
+                    choices=PIPELINE_CHOICES, build_plan=pipeline_plan,
+                    total_steps=planned_steps)
     if run.plan.ranks_of("backup") or run.cfg["resilience"]["inject"] or _ulfm():
         # ResPipe: backup ranks exist, faults are injected, or ULFM can report a dead
         # stage: the resilient loop drives the job (without backups it stops cleanly,

@@ -277,15 +277,42 @@ def test_kills_and_stalls_can_fall_inside_a_step() -> None:
         inject.parse("kill:stage=1:step=3:micro=-1")
 
 
-def test_a_fault_inside_a_missing_micro_batch_is_a_config_error() -> None:
-    from mpipipe.config import PIPELINE_DEFAULTS, load_config
-    from mpipipe.resilience import Settings
+CHECK_PLAN = "0=stage 0, 1=stage 1, 2=stage 2, 3=backup 1"
 
-    cfg = load_config(None, ['resilience.inject=["kill:stage=1:step=3:micro=4"]'],
-                      PIPELINE_DEFAULTS)
-    with pytest.raises(ValueError, match=r"micro-batch 4 does not exist \(pipeline.chunks = 4"):
-        Settings.from_config(cfg, 3, 4)
-    assert Settings.from_config(cfg, 3, 5).faults[0].micro == 4
+
+def _check(*specs: str, steps: int | None = 20, chunks: int | None = 4,
+           mode: str = "cold") -> None:
+    from mpipipe.roles import LaunchPlan, Role
+
+    plan = LaunchPlan(tuple(Role.parse(r.split("=")[1]) for r in CHECK_PLAN.split(", ")))
+    inject.check_reachable(inject.parse_all(specs), plan, steps=steps, chunks=chunks, mode=mode)
+
+
+@pytest.mark.parametrize("specs, why", [
+    (["kill:stage=1:step=3:micro=4"], r"micro-batch 4 does not exist \(pipeline.chunks = 4"),
+    (["kill:stage=1:step=20"], r"step 20, beyond the run \(run.steps = 20: steps 0..19\)"),
+    (["slow:rank=2:step=25:factor=2"], "starts at step 25, beyond the run"),
+    (["stall:rank=4:step=3"], r"no rank 4 \(the MPI world has ranks 0..3\)"),
+    (["kill:stage=3:step=3"], r"stage 3 does not exist \(the plan has stages 0..2\)"),
+    (["delay:stage=0:p=0:seconds=1"], "p=0"),
+    (["slow:rank=1:step=2:factor=1"], "factor=1 slows nothing"),
+    (["slow:rank=3:step=2:factor=2"], "rank 3 is a backup of stage 1, which computes nothing"),
+    (["kill:rank=3:step=2:micro=1"], "in cold mode it runs no micro-batch"),
+    (["kill:stage=1:step=5", "stall:rank=1:step=6"], "killed before, by kill:stage=1:step=5"),
+    (["kill:rank=3:step=5:micro=1", "kill:rank=3:step=5:micro=2", "hot"], "killed before"),
+])
+def test_a_fault_that_can_never_fire_is_refused_naming_it(specs, why) -> None:
+    mode = specs.pop() if specs[-1] == "hot" else "cold"
+    with pytest.raises(inject.FaultError, match=why) as e:
+        _check(*specs, mode=mode)
+    assert str(e.value).startswith("fault ") and str(e.value).endswith("it would never fire")
+
+
+def test_faults_that_can_fire_pass_the_check() -> None:
+    _check("kill:stage=1:step=19:micro=3", "stall:rank=3:step=2", "delay:stage=0:p=0.1:seconds=1",
+           "slow:rank=2:step=4:factor=2", "kill:rank=3:step=4:micro=1", mode="hot")
+    _check("stall:stage=1:step=3", "kill:stage=1:step=5", "kill:rank=3:step=7")
+    _check("kill:stage=2:step=500", steps=None)  # epochs of a data set not read yet
 
 
 def test_what_a_rank_holds_decides_what_it_is_sent_again() -> None:
