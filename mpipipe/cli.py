@@ -92,6 +92,8 @@ def planned_steps(cfg: Mapping[str, Any]) -> int:
     before it."""
     from .data import DataError, run_steps
 
+    if int(cfg["run"]["steps"]) > 0 or int(cfg["run"].get("epochs", 0)) < 1:
+        return int(cfg["run"]["steps"])
     try:
         return run_steps(cfg)
     except DataError:
