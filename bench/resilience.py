@@ -92,7 +92,8 @@ def _train(work: Path, name: str, ranks: int, steps: int, *settings: str,
             "--log", str(log)]
     for s in settings:
         cmd += ["--inject", s[7:]] if s.startswith("inject:") else ["--set", s]
-    result = run_mpi(ranks, cmd, ulfm=ulfm, timeout=60 + steps)
+    # A safety net only: six ranks importing torch on a loaded 2-core machine take a minute.
+    result = run_mpi(ranks, cmd, ulfm=ulfm, timeout=240 + 2 * steps)
     return result, log
 
 
