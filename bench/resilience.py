@@ -27,7 +27,8 @@ because the machine is shared and noisy:
   mirrors' recompute can explain when it cannot run on cores of its own
 - recovery_s: from the SIGKILL of stage 1 (R=10, one backup per stage) to the next
   completed step. The kill falls between two replicas (``kill_step``, e.g. 305
-  with R=10), so the cold takeover loses ``lost_updates`` updates and replays them;
+  with R=10), so the backup serves stage 1 from the replica of step 300 and that
+  stage's ``lost_updates`` updates since are lost (not replayed);
   final_accuracy_kill against final_accuracy_clean (same run without the kill),
   ``accuracy_kill_vs_clean`` their difference; baseline_kill_outcome: what the
   plain pipeline did with the same kill
@@ -76,7 +77,7 @@ def kill_step(steps: int) -> int:
     """The step index a kill fires at: mid-run and halfway between two replicas.
 
     A kill at a multiple of R loses no update by construction; halfway, the cold
-    takeover must roll back and replay R/2 updates, so the accuracy it reaches
+    backup starts from a replica R/2 updates old, so the accuracy it reaches
     says something.
     """
     return (steps // 2) // R * R + R // 2
