@@ -6,7 +6,11 @@
 Everything is measured in this one run, with one compute thread per rank, and reported
 as ratios, because the machine is shared and noisy:
 
-- speedup_vs_single: best mpipipe K=2 schedule / single-process training
+- speedup_vs_single: best mpipipe K=2 schedule / single-process training on one thread
+- speedup_vs_single_2threads: the same against a single process with 2 compute threads,
+  which uses the two cores the pipeline gets
+- speedup_vs_best_single: against the better of the two single-process baselines (the
+  pipeline's honest speed-up: not "a second core")
 - vs_torch_pipelining: best mpipipe schedule / best torch.distributed.pipelining schedule
   (gloo backend, same model, cut, mini-batch and micro-batches)
 - transport_vs_raw: mpipipe Transport / raw mpi4py Send/Recv, 1 MB ping-pong
@@ -111,7 +115,7 @@ def worker(args: argparse.Namespace) -> None:
     def record(name: str, per_step: float) -> None:
         sps.setdefault(name, []).append(args.batch / per_step)
 
-    # single process (rank 0 alone; the other rank sleeps)
+    # single process (rank 0 alone; the other rank sleeps), on 1 and on 2 threads
     single_model = copy.deepcopy(model)
     single_opt = torch.optim.SGD(single_model.parameters(), lr=0.01, momentum=0.9)
 
@@ -119,6 +123,13 @@ def worker(args: argparse.Namespace) -> None:
         single_opt.zero_grad()
         loss_fn(single_model(x), y).backward()
         single_opt.step()
+
+    def single_on(threads: int) -> float:
+        torch.set_num_threads(threads)
+        try:
+            return _timed(single_step, 1, args.steps)
+        finally:
+            torch.set_num_threads(1)
 
     # mpipipe, one pipeline per schedule on its own communicator
     ours = {}
@@ -181,10 +192,11 @@ def worker(args: argparse.Namespace) -> None:
 
     link_s: dict[str, list[float]] = {"raw": [], "transport": []}
     for _ in range(args.rounds):
-        holder: list[float] = []
-        _idle_until(world, lambda h=holder: h.append(_timed(single_step, 1, args.steps)))
-        if rank == 0:
-            record("single", holder[0])
+        for threads, name in ((1, "single"), (2, "single_2threads")):
+            holder: list[float] = []
+            _idle_until(world, lambda h=holder, n=threads: h.append(single_on(n)))
+            if rank == 0:
+                record(name, holder[0])
         for schedule in ("gpipe", "1f1b"):
             world.Barrier()
             record(f"ours_{schedule}", _timed(lambda s=schedule: our_step(s), 1, args.steps,
@@ -203,6 +215,7 @@ def worker(args: argparse.Namespace) -> None:
         best["raw_s"] = min(link_s["raw"])
         best["transport_s"] = min(link_s["transport"])
         best["balance"] = balance
+        best["cpus"] = len(os.sched_getaffinity(0))  # the cores rank 0 (2 threads) may use
         print(json.dumps(best), flush=True)
     dist.destroy_process_group()
 
@@ -230,8 +243,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=6,
                         help="rounds; each variant's fastest step over all rounds is reported")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 round of 2 steps: checks the bench runs end to end, its figures "
+                             "mean little")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds = 2, 1
     if args.worker:
         worker(args)
         return 0
@@ -239,21 +257,31 @@ def main() -> int:
     r = _launch(args)
     best_ours = max(r["ours_gpipe"], r["ours_1f1b"])
     best_peer = max(r["torch_gpipe"], r["torch_1f1b"])
+    best_single = max(r["single"], r["single_2threads"])
     figures = {
         "single_sps": round(r["single"], 1),
+        "single_2threads_sps": round(r["single_2threads"], 1),
         "gpipe_sps": round(r["ours_gpipe"], 1),
         "onef1b_sps": round(r["ours_1f1b"], 1),
         "torch_pipelining_sps": round(best_peer, 1),
         "speedup_vs_single": round(best_ours / r["single"], 3),
+        "speedup_vs_single_2threads": round(best_ours / r["single_2threads"], 3),
+        "speedup_vs_best_single": round(best_ours / best_single, 3),
         "vs_torch_pipelining": round(best_ours / best_peer, 3),
         "transport_vs_raw": round(r["raw_s"] / r["transport_s"], 3),
+        "cpus_rank0": r["cpus"],
     }
     if args.json:
         print(json.dumps(figures))
         return 0
     print(f"model {args.model} (3x32x32), mini-batch {args.batch}, {args.chunks} micro-batches, "
-          f"K={K}, balance {r['balance']}, one thread per rank, fastest step of {args.rounds} rounds")
-    rows = [("single process", r["single"]), ("mpipipe gpipe", r["ours_gpipe"]),
+          f"K={K}, balance {r['balance']}, one thread per rank (the single process also on 2), "
+          f"fastest step of {args.rounds} rounds")
+    if r["cpus"] < 2:
+        print(f"  note: rank 0 could use {r['cpus']} core: the 2-thread baseline had no second core")
+    rows = [("single process, 1 thread", r["single"]),
+            ("single process, 2 threads", r["single_2threads"]),
+            ("mpipipe gpipe", r["ours_gpipe"]),
             ("mpipipe 1f1b", r["ours_1f1b"]),
             ("torch.distributed.pipelining gpipe (gloo)", r["torch_gpipe"]),
             ("torch.distributed.pipelining 1f1b (gloo)", r["torch_1f1b"])]
@@ -261,7 +289,8 @@ def main() -> int:
         print(f"  {name:<44} {value:9.1f} samples/s")
     print(f"  1 MB ping-pong round trip: raw mpi4py {r['raw_s'] * 1e6:.0f} us, "
           f"Transport {r['transport_s'] * 1e6:.0f} us")
-    for key in ("speedup_vs_single", "vs_torch_pipelining", "transport_vs_raw"):
+    for key in ("speedup_vs_single", "speedup_vs_single_2threads", "speedup_vs_best_single",
+                "vs_torch_pipelining", "transport_vs_raw"):
         print(f"  {key:<44} {figures[key]:9.3f}")
     return 0
 

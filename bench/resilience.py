@@ -3,19 +3,35 @@
     python bench/resilience.py            # a table, and a PNG of accuracy against time
     python bench/resilience.py --json     # one JSON line
     python bench/resilience.py --out runs/resilience.png --steps 600
+    python bench/resilience.py --quick    # small: checks the bench runs end to end
 
-Every figure is measured in this one run (nine short training jobs, all launched
-with `mpirun --with-ft ulfm`, so all run the same resilient loop) and reported as a
-ratio or a time relative to its own run, because the machine is shared and noisy:
+Every figure is measured in this one run (ten short training jobs, all launched
+with `mpirun --with-ft ulfm` and 6 ranks, so all run the same resilient loop in
+the same world size) and reported as a ratio or a time relative to its own run,
+because the machine is shared and noisy:
 
-- overhead_r1, overhead_r10, overhead_hot: failure-free time per sample with one
-  backup per stage (cold R=1, cold R=10, hot R=10), over the same loop's without
-  backups (the plain pipeline), minus 1; the fastest median step time of
-  `--repeat` interleaved runs of each, so that other processes slowing a whole job
-  or a few steps do not count
+- overhead_r1, overhead_r10, overhead_hot: failure-free wall time per sample over
+  the whole run (the summary's samples/s: every step, every replica, every
+  evaluation) with one backup per stage (cold R=1, cold R=10, hot R=10), over the
+  plain pipeline's, minus 1; the fastest of `--repeat` interleaved runs of each,
+  so that other processes slowing a whole job do not count. The plain pipeline
+  runs with the same world size (``baseline_ranks``: its 3 stages and 3 spare
+  ranks that idle outside the route, mpipipe/spare.py), so the overhead does not
+  count fewer processes sharing the cores as a saving. ``*_median`` give the
+  former figure (median step time, which with R=10 never sees a replica) for
+  comparison
+- hot_mirror_compute_vs_base: in hot mode every backup recomputes its stage; on
+  this machine that shares the stages' cores. The stages' compute per sample in
+  the hot run (the log's per-rank compute_s, which the mirrors redo) over the
+  plain pipeline's wall time per sample: the part of overhead_hot that the
+  mirrors' recompute can explain when it cannot run on cores of its own
 - recovery_s: from the SIGKILL of stage 1 (R=10, one backup per stage) to the next
-  completed step; final_accuracy_kill against final_accuracy_clean (same run without
-  the kill); baseline_kill_outcome: what the plain pipeline did with the same kill
+  completed step. The kill falls between two replicas (``kill_step``, e.g. 305
+  with R=10), so the backup serves stage 1 from the replica of step 300 and that
+  stage's ``lost_updates`` updates since are lost (not replayed);
+  final_accuracy_kill against final_accuracy_clean (same run without the kill),
+  ``accuracy_kill_vs_clean`` their difference; baseline_kill_outcome: what the
+  plain pipeline did with the same kill
 - recovery_s_hot, final_accuracy_kill_hot: the same kill in hot mode, placed in the
   middle of a step (after the forward of micro-batch 1): the mirror finishes the step
   in flight, nothing is replayed (hot_replayed_steps: 0), against final_accuracy_hot
@@ -32,10 +48,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +63,24 @@ from mpipipe.launch import mpirun_env, run_mpi  # noqa: E402
 
 BATCH = 32
 TARGET = 0.90  # accuracy for the time-to-accuracy figures
+STAGES = 3
+R = 10  # replicate_every of the R=10 jobs
 ALL = "resilience.backups={0 = 1, 1 = 1, 2 = 1}"
 NONE = "resilience.backups={}"
+RANKS = 2 * STAGES  # every job: 3 stages and 3 backups, or 3 stages and 3 spares
+# The plain pipeline's plan: its stages, then spares that idle outside the route.
+SPARES = tuple(f"plan.stage {k}={k}" for k in range(STAGES)) + \
+    tuple(f"plan.spare {k}={STAGES + k}" for k in range(RANKS - STAGES))
+
+
+def kill_step(steps: int) -> int:
+    """The step index a kill fires at: mid-run and halfway between two replicas.
+
+    A kill at a multiple of R loses no update by construction; halfway, the cold
+    backup starts from a replica R/2 updates old, so the accuracy it reaches
+    says something.
+    """
+    return (steps // 2) // R * R + R // 2
 
 
 def _train(work: Path, name: str, ranks: int, steps: int, *settings: str,
@@ -59,7 +93,8 @@ def _train(work: Path, name: str, ranks: int, steps: int, *settings: str,
             "--log", str(log), "--overwrite"]  # a re-run with the same --keep replaces it
     for s in settings:
         cmd += ["--inject", s[7:]] if s.startswith("inject:") else ["--set", s]
-    result = run_mpi(ranks, cmd, ulfm=ulfm, timeout=60 + steps)
+    # A safety net only: six ranks importing torch on a loaded 2-core machine take a minute.
+    result = run_mpi(ranks, cmd, ulfm=ulfm, timeout=240 + 2 * steps)
     return result, log
 
 
@@ -68,6 +103,23 @@ def _median_step_s(log: Path) -> float:
 
     t = open_log(log).steps["time"]
     return statistics.median(b - a for a, b in zip(t[:-1], t[1:], strict=True))
+
+
+def _wall_per_sample(log: Path) -> float:
+    """Seconds per sample over the whole run: the inverse of the summary's samples/s."""
+    from mpipipe.runlog import open_log
+
+    summary = json.loads(open_log(log).attrs["summary"])
+    return 1.0 / summary["samples_per_s"]
+
+
+def _compute_per_sample(log: Path) -> float:
+    """The stages' compute seconds per sample, summed over the stages (the log's compute_s)."""
+    from mpipipe.runlog import open_log
+
+    run = open_log(log)
+    total = sum(float(sum(cols["compute_s"])) for cols in run.ranks.values())
+    return total / (len(run.steps["step"]) * BATCH)
 
 
 def _final_accuracy(log: Path) -> float:
@@ -111,53 +163,73 @@ def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Pa
     """Run the jobs; return the figures and the logs by name."""
     subprocess.run([sys.executable, "-m", "native.convert", "digits", str(work / "digits"), "--overwrite"],
                    cwd=ROOT, env=mpirun_env(), check=True, capture_output=True, timeout=120)
-    kill_at, stall_at = steps // 2, steps // 2
+    kill_at, stall_at = kill_step(steps), steps // 2
+    r10 = (ALL, f"resilience.replicate_every={R}")
+    plain = (NONE, *SPARES)
     jobs = {
-        "plain": (3, (NONE,), True),
-        "r1": (6, (ALL, "resilience.replicate_every=1"), True),
-        "r10": (6, (ALL, "resilience.replicate_every=10"), True),
-        "hot": (6, (ALL, "resilience.replicate_every=10", 'resilience.mode="hot"'), True),
-        "kill": (6, (ALL, "resilience.replicate_every=10", f"inject:kill:stage=1:step={kill_at}"),
-                 True),
-        "hot_kill": (6, (ALL, "resilience.replicate_every=10", 'resilience.mode="hot"',
-                         f"inject:kill:stage=1:step={kill_at}:micro=1"), True),
-        "plain_kill": (3, (NONE, f"inject:kill:stage=1:step={kill_at}"), True),
-        "stall": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=2",
-                      f"inject:stall:stage=1:step={stall_at}:seconds=3"), True),
-        "delay": (6, (ALL, "resilience.replicate_every=10", "resilience.deadline_factor=2",
-                      "inject:delay:stage=1:p=0.1:seconds=2"), True),
-        "plain_delay": (3, (NONE, "inject:delay:stage=1:p=0.1:seconds=2"), True),
+        "plain": plain,
+        "r1": (ALL, "resilience.replicate_every=1"),
+        "r10": r10,
+        "hot": (*r10, 'resilience.mode="hot"'),
+        "kill": (*r10, f"inject:kill:stage=1:step={kill_at}"),
+        "hot_kill": (*r10, 'resilience.mode="hot"', f"inject:kill:stage=1:step={kill_at}:micro=1"),
+        "plain_kill": (*plain, f"inject:kill:stage=1:step={kill_at}"),
+        "stall": (*r10, "resilience.deadline_factor=2",
+                  f"inject:stall:stage=1:step={stall_at}:seconds=3"),
+        "delay": (*r10, "resilience.deadline_factor=2", "inject:delay:stage=1:p=0.1:seconds=2"),
+        "plain_delay": (*plain, "inject:delay:stage=1:p=0.1:seconds=2"),
     }
+    clean = ("plain", "r1", "r10", "hot")
     logs, results = {}, {}
     # The failure-free jobs run `repeat` times, interleaved, and each keeps its fastest
-    # median step time: other processes on the machine slow whole jobs down at random.
-    order = [n for _ in range(repeat) for n in ("plain", "r1", "r10", "hot")]
-    order += [n for n in jobs if n not in ("plain", "r1", "r10", "hot")]
+    # run: other processes on the machine slow whole jobs down at random.
+    order = [n for _ in range(repeat) for n in clean] + [n for n in jobs if n not in clean]
+    per_sample: dict[str, list[float]] = {}
     medians: dict[str, list[float]] = {}
+    compute: dict[str, list[float]] = {}
     for i, name in enumerate(order):
-        ranks, settings, ulfm = jobs[name]
         tag = name if name not in medians else f"{name}-{i}"
-        result, log = _train(work, tag, ranks, steps, *settings, ulfm=ulfm)
+        result, log = _train(work, tag, RANKS, steps, *jobs[name])
         if name != "plain_kill" and result.returncode != 0:
             raise RuntimeError(f"job {name} failed: {result.stderr[-2000:]}")
         medians.setdefault(name, []).append(_median_step_s(log))
+        if name in clean:
+            per_sample.setdefault(name, []).append(_wall_per_sample(log))
+            compute.setdefault(name, []).append(_compute_per_sample(log))
         results.setdefault(name, result)
         logs.setdefault(name, log)
+
+    def fastest(name: str) -> float:
+        return min(per_sample[name])
 
     def step_s(name: str) -> float:
         return min(medians[name])
 
-    base = step_s("plain")
+    base = fastest("plain")
     stall = _event(logs["stall"], "takeover_recovered")
     kill = _event(logs["kill"], "takeover_recovered")
     hot_kill = _event(logs["hot_kill"], "takeover_recovered")
+    takeover = _event(logs["kill"], "takeover")
+    # The hot run's stages' compute (fastest run's), which every mirror redoes.
+    hot_compute = compute["hot"][per_sample["hot"].index(fastest("hot"))]
     figures = {
-        "overhead_r1": step_s("r1") / base - 1,
-        "overhead_r10": step_s("r10") / base - 1,
-        "overhead_hot": step_s("hot") / base - 1,
+        "overhead_r1": fastest("r1") / base - 1,
+        "overhead_r10": fastest("r10") / base - 1,
+        "overhead_hot": fastest("hot") / base - 1,
+        "overhead_r1_median": step_s("r1") / step_s("plain") - 1,
+        "overhead_r10_median": step_s("r10") / step_s("plain") - 1,
+        "overhead_hot_median": step_s("hot") / step_s("plain") - 1,
+        "hot_mirror_compute_vs_base": hot_compute / base,
+        "baseline_ranks": RANKS,
+        "baseline_spares": RANKS - STAGES,
+        "cores": len(os.sched_getaffinity(0)),
+        "kill_step": kill_at,
+        "replicate_every": R,
+        "lost_updates": takeover.get("lost_updates"),
         "recovery_s": kill.get("recovery_s", math.nan),
         "final_accuracy_kill": _final_accuracy(logs["kill"]),
         "final_accuracy_clean": _final_accuracy(logs["r10"]),
+        "accuracy_kill_vs_clean": _final_accuracy(logs["kill"]) - _final_accuracy(logs["r10"]),
         "recovery_s_hot": hot_kill.get("recovery_s", math.nan),
         "final_accuracy_kill_hot": _final_accuracy(logs["hot_kill"]),
         "final_accuracy_hot": _final_accuracy(logs["hot"]),
@@ -211,11 +283,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the accuracy-against-time plot goes")
     parser.add_argument("--repeat", type=int, default=2,
                         help="runs of each failure-free job, interleaved (default 2)")
-    parser.add_argument("--keep", metavar="DIR", help="keep the run logs in DIR")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep the run logs in a new directory under DIR")
+    parser.add_argument("--quick", action="store_true",
+                        help="60 steps, one run of each job: checks the bench runs end to end, "
+                             "its figures mean little")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeat = 60, 1
     with tempfile.TemporaryDirectory(prefix="respipe-bench-") as tmp:
-        work = Path(args.keep) if args.keep else Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
+        # Fresh log paths on every invocation: a run never writes over an old log.
+        work = (Path(args.keep) if args.keep else Path(tmp)) / time.strftime("%Y%m%d-%H%M%S")
+        work.mkdir(parents=True, exist_ok=False)
         figures, logs = measure(args.steps, work, max(args.repeat, 1))
         plot(logs, Path(args.out))
     if args.json:
@@ -225,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in figures.items():
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
         print(f"{key.ljust(width)}  {shown}")
-    print(f"plot: {args.out}")
+    print(f"plot: {args.out}" + (f"; logs: {work}" if args.keep else ""))
     return 0
 
 

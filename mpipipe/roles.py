@@ -24,8 +24,8 @@ __all__ = [
     "pipeline_plan",
 ]
 
-KINDS = ("stage", "backup", "host", "csd")
-_ROLE_RE = re.compile(r"^\s*(stage|backup|host|csd)\s*(\d+)?\s*$")
+KINDS = ("stage", "backup", "host", "csd", "spare")
+_ROLE_RE = re.compile(r"^\s*(stage|backup|host|csd|spare)\s*(\d+)?\s*$")
 
 
 class PlanError(ValueError):
@@ -34,7 +34,8 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class Role:
-    """What one rank does: ``stage k``, ``backup k`` (shadows stage k), ``host``, ``csd k``."""
+    """What one rank does: ``stage k``, ``backup k`` (shadows stage k), ``host``, ``csd k``,
+    or ``spare k`` (in the MPI world but not in the job: idle until it ends)."""
 
     kind: str
     index: int = 0
@@ -51,7 +52,8 @@ class Role:
         """Read ``"stage 1"``, ``"backup 2"``, ``"host"`` or ``"csd 3"``."""
         m = _ROLE_RE.match(text)
         if not m:
-            raise PlanError(f"unknown role {text!r}: expected 'stage K', 'backup K', 'host' or 'csd K'")
+            raise PlanError(f"unknown role {text!r}: expected 'stage K', 'backup K', 'host', "
+                            "'csd K' or 'spare K'")
         kind, index = m.group(1), m.group(2)
         if kind != "host" and index is None:
             raise PlanError(f"role {text!r} needs an index, e.g. '{kind} 1'")
@@ -89,6 +91,10 @@ class LaunchPlan:
         return min((r for r, role in enumerate(self.roles) if role.kind in ("stage", "host")),
                    default=0)
 
+    def without_spares(self) -> LaunchPlan:
+        """The plan of the ranks that work (spares are the last ranks, so none is renumbered)."""
+        return LaunchPlan(tuple(r for r in self.roles if r.kind != "spare"))
+
     @classmethod
     def from_table(cls, table: Mapping[str, Any], world_size: int) -> LaunchPlan:
         """Build a plan from an explicit ``role name -> rank`` table (config ``[plan]``).
@@ -120,10 +126,13 @@ def pipeline_plan(cfg: Mapping[str, Mapping[str, Any]], world_size: int) -> Laun
 
     Without an explicit ``[plan]`` the stages take ranks 0..K-1 and backups
     follow in stage order, as many per stage as ``resilience.backups`` says.
+    An explicit plan may end with ``spare K`` ranks, which idle outside the job
+    (mpipipe/spare.py): a baseline with the world size of a resilient job.
 
     Raises:
         PlanError: the world size does not match, a stage has no rank, a backup
-            shadows a stage that does not exist, or a role is not a pipeline role.
+            shadows a stage that does not exist, a spare comes before a working
+            rank, or a role is not a pipeline role.
     """
     stages = cfg["pipeline"]["stages"]
     if stages < 1:
@@ -143,9 +152,16 @@ def pipeline_plan(cfg: Mapping[str, Mapping[str, Any]], world_size: int) -> Laun
         for k in sorted(backups):
             roles += [Role("backup", k)] * backups[k]
         plan = LaunchPlan(tuple(roles))
+    spares = plan.ranks_of("spare")
+    if spares and spares[0] != world_size - len(spares):
+        raise PlanError(f"[plan] rank {spares[0]} is '{plan.role_of(spares[0])}' but rank "
+                        f"{world_size - 1} is not a spare: give spares the last ranks")
     for r, role in enumerate(plan.roles):
+        if role.kind == "spare" and r:
+            continue
         if role.kind not in ("stage", "backup"):
-            raise PlanError(f"rank {r} is '{role}': a pipeline job has only stages and backups")
+            raise PlanError(f"rank {r} is '{role}': a pipeline job has only stages and backups"
+                            + (" (and spares after them)" if role.kind == "spare" else ""))
         if role.index >= stages:
             raise PlanError(f"rank {r} is '{role}' but the pipeline has stages 0..{stages - 1}")
     for k in range(stages):

@@ -421,19 +421,24 @@ def _ulfm() -> bool:
 
 def main(args: argparse.Namespace) -> int:
     """Body of `python -m mpipipe train`: set up the run, then train (plain or ResPipe)."""
+    from .spare import set_aside
+
     run = start_run(args, prog=PROG, system="mpipipe", defaults=PIPELINE_DEFAULTS,
                     choices=PIPELINE_CHOICES, build_plan=pipeline_plan,
                     total_steps=planned_steps)
-    if run.plan.ranks_of("backup") or run.cfg["resilience"]["inject"] or _ulfm():
-        # ResPipe: backup ranks exist, faults are injected, or ULFM can report a dead
-        # stage: the resilient loop drives the job (without backups it stops cleanly,
-        # naming the lost stage).
-        try:
-            from . import resilience
-        except ImportError:
-            run.fail("this plan has backup ranks but mpipipe.resilience is not installed")
-        runner = getattr(resilience, "train", None)
-        if runner is None:
-            run.fail("mpipipe.resilience has no train(run) entry point")
-        return int(runner(run))
-    return train(run)
+    with set_aside(run) as run:
+        if run is None:
+            return 0  # a spare rank: it idled until the job ended
+        if run.plan.ranks_of("backup") or run.cfg["resilience"]["inject"] or _ulfm():
+            # ResPipe: backup ranks exist, faults are injected, or ULFM can report a dead
+            # stage: the resilient loop drives the job (without backups it stops cleanly,
+            # naming the lost stage).
+            try:
+                from . import resilience
+            except ImportError:
+                run.fail("this plan has backup ranks but mpipipe.resilience is not installed")
+            runner = getattr(resilience, "train", None)
+            if runner is None:
+                run.fail("mpipipe.resilience has no train(run) entry point")
+            return int(runner(run))
+        return train(run)

@@ -682,10 +682,13 @@ class Trainer:
                 "energy_source": self.sources.get(r, "?"),
             }
         samples = sum(t["samples"] for t in self.totals.values())
-        joules = sum(t["joules"] for t in self.totals.values())
+        # Measured (RAPL: the host's whole package, emulated CSDs' CPU work included)
+        # and modelled joules are never added up: with both, there is no total.
+        sources = sorted({self.sources.get(r, "?") for r in self.totals})
+        joules = sum(t["joules"] for t in self.totals.values()) if len(sources) == 1 else math.nan
         summary = {
             "steps": self.step, "samples": samples, "seconds": elapsed,
-            "samples_per_s": samples / elapsed if elapsed else 0.0,
+            "samples_per_s": samples / elapsed if elapsed else 0.0, "energy_sources": sources,
             "joules": joules, "samples_per_joule": samples / joules if joules else 0.0,
             "accuracy": accuracy, "loss": getattr(self, "last_loss", math.nan),
             "final_batches": dict(zip(self.members, self.batches, strict=True)),
