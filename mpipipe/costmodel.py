@@ -16,6 +16,12 @@ counts is a payload the transport sends, so the model adds up payloads.
   update: ``batch * (act_in + act_out)`` per step per backup (the last stage's
   backup reads its labels itself).
 
+The figures are averages over R steps; :meth:`Cost.at_step` gives the exact
+integer bytes of one step (the replicas all go out on the steps that are a
+multiple of R). Control traffic (the per-step figures sent to the log writer,
+announcements, decisions) is not in the model and not in a run's ``bytes_sent``:
+ResPipe counts it apart, as ``ctrl_bytes_sent`` (see docs/respipe.md).
+
 A takeover loses at most R - 1 optimizer updates of the failed stage in cold
 and neighbour modes (0 at R = 1), and none in hot mode, whose backup applies
 every update itself.
@@ -72,6 +78,19 @@ class Cost:
     shadow: float
     lost_updates: int
     per_holder: Mapping[int, float] = field(default_factory=dict)
+    replica_round: int = 0
+    replicate_every: int = 1
+
+    def at_step(self, step: int) -> int:
+        """Exact payload bytes of optimizer step ``step`` (1-based, as the log counts).
+
+        Why: the per-step averages hide a missing or doubled message; a run's byte
+        counts are compared with this, integer for integer. Replicas go out after
+        the steps whose count is a multiple of R, all in that step.
+        """
+        base = self.pipeline + self.labels + self.shadow
+        burst = self.replica_round if step % self.replicate_every == 0 else 0
+        return int(base) + burst
 
     @property
     def plain(self) -> float:
@@ -175,9 +194,11 @@ def predict(
     pipeline = float(sum(2 * batch_size * s.act_out for s in stages[:k_last]))
     labels = float(batch_size * label_bytes) if k_last > 0 else 0.0
     replica = shadow = 0.0
+    replica_round = 0
     per_holder: dict[int, float] = {}
     for k, count in sorted(backups.items()):
         holders = 1 if mode == "neighbour" else count
+        replica_round += holders * stages[k].replica
         rep = holders * stages[k].replica / replicate_every
         sh = 0.0
         if mode == "hot":
@@ -188,7 +209,8 @@ def predict(
         shadow += sh
         per_holder[k] = rep + sh
     lost = lost_updates(replicate_every, mode) if backups else 0
-    return Cost(pipeline, labels, replica, shadow, lost, per_holder)
+    return Cost(pipeline, labels, replica, shadow, lost, per_holder, replica_round,
+                replicate_every)
 
 
 def trade_off(

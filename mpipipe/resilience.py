@@ -184,12 +184,19 @@ class _Control:
         self.comm = comm
         self.MPI = MPI
         self._sends: list[tuple[Any, np.ndarray]] = []
+        self.bytes_sent = 0  # payload handed to MPI since the last take_sent()
+
+    def take_sent(self) -> int:
+        """Control bytes sent since the last call (a step's ``ctrl_bytes_sent``)."""
+        n, self.bytes_sent = self.bytes_sent, 0
+        return n
 
     def send(self, code: int, dest: int, values: Sequence[float], seq: int = 0) -> None:
         buf = np.asarray(values, dtype=np.float64)
         try:
             req = self.comm.Isend(buf, dest, _ctl_tag(code, seq))
             self._sends.append((req, buf))
+            self.bytes_sent += buf.nbytes
         except Exception:  # noqa: BLE001 - a dead or gone peer: nothing to tell it
             pass
         self._reap()
@@ -873,10 +880,10 @@ class ResPipe:
 
     def _step_figs(self, s: int, loss: float | None) -> list[float]:
         """Step ``s``'s figures as they travel: step, time, loss, compute_s, wait_s, bytes
-        sent and received, world rank."""
+        sent and received, world rank, control bytes sent since the last step's figures."""
         t = self.pipe.transport
         return [s, time.time(), math.nan if loss is None else loss, self.pipe.last_compute_s,
-                t.wait_s, t.total_sent, t.total_recv, self.wrank]
+                t.wait_s, t.total_sent, t.total_recv, self.wrank, self.control.take_sent()]
 
     def _keep_figs(self, figs: list[float]) -> None:
         # a replayed step's figures replace those of its rolled-back run
@@ -887,7 +894,8 @@ class ResPipe:
     @staticmethod
     def _fig_dict(figs: Sequence[float]) -> dict[str, float]:
         return {"compute_s": float(figs[3]), "wait_s": float(figs[4]),
-                "bytes_sent": int(figs[5]), "bytes_recv": int(figs[6])}
+                "bytes_sent": int(figs[5]), "bytes_recv": int(figs[6]),
+                "ctrl_bytes_sent": int(figs[8])}
 
     def _collect_figs(self, s: int, wait_s: float, alive: Sequence[int] | None = None) -> None:
         row = self.pending_rows[s]

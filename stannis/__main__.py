@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stannis prepare: wrote {args.out}: " + ", ".join(
             f"{k} {v}" for k, v in info["records"].items()) + f", public/test {info['test_records']}")
         return 0
+    from . import mpicount
+
+    mpicount.enable()  # MPI's own byte counters for the privacy audit (before MPI_Init)
     from .train import main as train_main
 
     return train_main(args)

@@ -52,7 +52,7 @@ PROG = "stannis train"
 # the same wait as the gradients: this step's, and the previous step's that are known
 # only after its exchange (so every step's log row is written one step late).
 STEP_FIGURES = ("compute_s", "batch_size", "loss_sum", "busy_s")
-LATE_FIGURES = ("wait_s", "joules", "bytes_sent", "bytes_recv")
+LATE_FIGURES = ("wait_s", "joules", "bytes_sent", "bytes_recv", "mpi_bytes", "unaudited_bytes")
 FIGURES = STEP_FIGURES + LATE_FIGURES
 FIG_BYTES = 8 * len(FIGURES)
 STOP_BYTES = 8  # the step's stop code (mpipipe.stop), reduced with the gradients
@@ -585,7 +585,7 @@ class Trainer:
         self.optimizer.step()
         joules = self.meter.stop(compute_s)
         sent, recv = self.comm.take()  # this step's gradients and figures, and any plan
-        self._post = (self.reducer.wait_s, joules, sent, recv)
+        self._post = (self.reducer.wait_s, joules, sent, recv, *self.comm.last_mpi)
         self.step = index + 1
         if self.is_host:
             self._record(table, time.perf_counter() - t_start)
@@ -635,9 +635,13 @@ class Trainer:
         ranks = pending.pop("ranks")
         for pos, (r, fig) in enumerate(ranks.items()):
             values = late[pos] if late is not None else [math.nan] * len(LATE_FIGURES)
-            wait_s, joules, sent, recv = (float(v) for v in values)
+            wait_s, joules, sent, recv, mpi, unaudited = (float(v) for v in values)
             fig.update(wait_s=wait_s, joules=joules, bytes_sent=_count(sent),
-                       bytes_recv=_count(recv))
+                       bytes_recv=_count(recv), mpi_bytes=_count(mpi),
+                       unaudited_bytes=_count(unaudited))
+            if _count(unaudited) > 0:  # MPI counted traffic the audited door did not see
+                self.log.event("unaudited_traffic", step=pending["step"], rank=r,
+                               bytes=_count(unaudited), mpi_bytes=_count(mpi))
             if math.isfinite(joules):
                 self.totals[r]["joules"] += joules
         self.log.step(pending.pop("step"), ranks=ranks, **pending)

@@ -123,6 +123,18 @@ def test_hot_adds_the_relayed_streams_and_loses_nothing():
     assert last.shadow == 8 * 100  # the last stage's backup computes its own loss
 
 
+def test_each_steps_exact_bytes_put_every_replica_on_the_multiples_of_r():
+    c = costmodel.predict(STAGES, batch_size=8, backups={1: 2, 2: 1}, replicate_every=10,
+                          mode="hot", label_bytes=8)
+    base = 2 * 8 * (400 + 100) + 64 + c.shadow
+    assert c.replica_round == 2 * 8000 + 1000
+    assert [c.at_step(s) for s in (1, 9, 10, 11, 20)] == \
+        [base, base, base + 17000, base, base + 17000]
+    assert sum(c.at_step(s) for s in range(1, 21)) == 20 * c.total
+    plain = costmodel.predict(STAGES, batch_size=8)
+    assert {plain.at_step(s) for s in range(1, 4)} == {plain.total}
+
+
 def test_neighbour_holds_one_replica_per_stage():
     n = costmodel.predict(STAGES, batch_size=8, backups={1: 3}, replicate_every=2, mode="neighbour")
     assert n.replica == 4000 and n.shadow == 0

@@ -54,10 +54,35 @@ def test_meter_sources(tmp_path: Path) -> None:
     assert host.stop(busy_s=0.0) == pytest.approx(3.0)
 
 
-def test_model_meter_uses_wall_and_busy_time() -> None:
-    meter = make_meter(PowerModel(0.0, 100.0), "model")
+class _Clock:
+    """A perf_counter the test moves by hand, so the wall time of a step is known exactly."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_model_meter_charges_idle_watts_for_the_wall_time_and_active_while_busy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import stannis.energy
+
+    clock = _Clock()
+    monkeypatch.setattr(stannis.energy, "time", clock)
+    meter = make_meter(PowerModel(idle_w=5.0, active_w=12.0), "model")
+    assert meter.source == "model"
     meter.start()
-    assert meter.stop(busy_s=0.0) == 0.0
+    clock.now += 2.0
+    # 2 s at 5 W, plus 0.5 s busy at the extra 7 W
+    assert meter.stop(busy_s=0.5) == pytest.approx(2.0 * 5.0 + 0.5 * 7.0)
+    # the next step starts where the last one stopped: 3 s of wall time, busy all of it
+    # (a busy time longer than the wall is capped at the wall)
+    clock.now += 3.0
+    assert meter.stop(busy_s=4.0) == pytest.approx(3.0 * 12.0)
+    meter.start()
+    clock.now += 0.25
+    assert meter.stop(busy_s=0.0) == pytest.approx(0.25 * 5.0)
 
 
 def test_stretch_sleeps_for_the_extra_time() -> None:

@@ -103,15 +103,61 @@ def test_csds_send_only_gradients_and_control(tuned_and_equal) -> None:
     summary = json.loads(tuned.attrs["summary"])
     model = build_model("resnet", 10, (1, 8, 8))
     grad_bytes = 4 * (sum(p.numel() for p in model.parameters()) + 1)  # + the weight slot
-    control_bytes = 8 * 8 + 8  # one row of eight float64 step figures, and the stop code
+    control_bytes = 8 * 10 + 8  # one row of ten float64 step figures, and the stop code
     assert summary["grad_bytes"] == grad_bytes
     assert summary["control_bytes"] == control_bytes
     for r in range(1, 5):
         sent = tuned.ranks[r]["bytes_sent"]
         assert len(sent) == len(tuned.steps["step"])
         assert (sent == grad_bytes + control_bytes).all(), (r, set(sent.tolist()))
+        # MPI's own count, under every communicator: the allreduce's payload for each
+        # of the 4 others (Open MPI counts a gather at its root), and nothing unaudited
+        assert (tuned.ranks[r]["mpi_bytes"] == 4 * grad_bytes).all(), r
+    for r in range(5):
+        assert (tuned.ranks[r]["unaudited_bytes"] == 0).all(), r
+    assert tuned.events_of("unaudited_traffic") == []
     # A private batch would be at least 256 bytes per sample on top of that.
     assert tuned.ranks[1]["batch_size"].max() > 0
+
+
+# A CSD that leaks: at its 4th step, rank 1 sends one private sample to the host with a
+# raw MPI.COMM_WORLD.Send, past the audited communicator. Run as ``python -c LEAK train ...``.
+LEAK = """
+import sys
+from stannis import mpicount
+mpicount.enable()
+from mpi4py import MPI
+import stannis.train
+compute = stannis.train.Trainer._compute
+def leaky(self, b):
+    if self.world_rank == 1 and self.step == 3:
+        x, _ = self.stream.next(1)
+        MPI.COMM_WORLD.Send(x.numpy(), dest=0, tag=999)
+    return compute(self, b)
+stannis.train.Trainer._compute = leaky
+from stannis.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_send_past_the_audited_communicator_is_caught_by_mpis_own_count(
+        data: Path, tmp_path: Path) -> None:
+    log = tmp_path / "leak.h5"
+    proc = run_mpi(5, ["-c", LEAK, "train", "--config", str(CONFIG), "--log", str(log),
+                       "--set", f'data.path="{data}"', "--set", "csd.slowdown=2.0",
+                       "--set", "run.eval_every=0", "--set", "run.steps=6"], timeout=240)
+    _ok(proc)
+    run = open_log(log)
+    sample = 4 * 8 * 8  # one float32 image of 1x8x8
+    # the audited door saw nothing: its count is the clean gradient-and-figures one
+    assert len(set(run.ranks[1]["bytes_sent"].tolist())) == 1
+    assert [(e["step"], e["rank"], e["detail"]["bytes"])
+            for e in run.events_of("unaudited_traffic")] == [(4, 1, sample)]
+    unaudited = run.ranks[1]["unaudited_bytes"]
+    assert list(unaudited) == [0, 0, 0, sample, 0, 0]
+    for r in (0, 2, 3, 4):
+        assert (run.ranks[r]["unaudited_bytes"] == 0).all(), r
 
 
 @pytest.mark.timeout(300)
