@@ -470,6 +470,7 @@ def _print_nodes(tb: Testbed) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    check_supported()
     tb = load(args.file)
     t0 = time.monotonic()
     up(tb)
@@ -511,6 +512,7 @@ def _command(argv: Sequence[str], what: str) -> list[str]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    check_supported()
     tb = load(args.file)
     cmd = _command(args.cmd, "run")
     env = dict(os.environ, MPIPIPE_TESTBED=str(Path(args.file).resolve()))
