@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, load_config
+from .placement import check_placement
 from .progress import Progress
 from .roles import LaunchPlan, PlanError, check_world_size, fail_fast
 from .runlog import RunLog
@@ -102,6 +104,12 @@ def start_run(
         plan = build_plan(cfg, size)
     except (ConfigError, PlanError) as e:
         fail_fast(comm, e, prog, rank)
+    # Each rank's node: a replica on the node of what it guards is refused (placement.py).
+    hosts = comm.allgather(socket.gethostname())
+    try:
+        check_placement(plan, hosts, cfg.get("resilience", {}))
+    except PlanError as e:
+        fail_fast(comm, e, prog, rank)
 
     import torch
 
@@ -119,7 +127,7 @@ def start_run(
         try:
             log = RunLog(path, system=system, config=cfg, comm_size=size,
                          emulation=emulation(cfg, plan) if emulation else None,
-                         attrs={"plan": plan.describe()})
+                         attrs={"plan": plan.describe(), "hosts": hosts})
         except OSError as e:
             error = f"cannot write the run log {path}: {e}"
     error, where, start = comm.bcast((error, str(log.path.resolve()) if log.active else None,

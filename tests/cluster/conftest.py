@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mpipipe import testbed
+from mpipipe.testbed import Testbed
 
 THREE_NODES = """\
 subnet = "10.213.0.0/24"
@@ -63,3 +64,16 @@ def three_nodes_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("testbed") / "three.toml"
     path.write_text(THREE_NODES)
     return path
+
+
+@pytest.fixture(scope="module")
+def bed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Testbed]:
+    """The testbed of the module's ``NODES`` text (else the three nodes), up for the module."""
+    path = tmp_path_factory.mktemp("testbed") / "bed.toml"
+    path.write_text(getattr(request.module, "NODES", THREE_NODES))
+    tb = testbed.load(path)
+    testbed.up(tb)
+    try:
+        yield tb
+    finally:
+        testbed.down()

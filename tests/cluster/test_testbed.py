@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,6 @@ from mpipipe.launch import kill_job, run_mpi, start_mpi
 WHERE = ("import socket; from mpi4py import MPI; "
          "cg = [l for l in open('/proc/self/cgroup').read().splitlines() if ':cpu:' in l or l.startswith('0::')]; "
          "print(MPI.COMM_WORLD.rank, socket.gethostname(), cg[0].rsplit('/', 1)[-1], flush=True)")
-
-
-@pytest.fixture(scope="module")
-def bed(three_nodes_file: Path) -> Iterator[testbed.Testbed]:
-    tb = testbed.load(three_nodes_file)
-    testbed.up(tb)
-    try:
-        yield tb
-    finally:
-        testbed.down()
 
 
 def _in_node(tb: testbed.Testbed, node: str, *argv: str) -> str:
