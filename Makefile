@@ -16,7 +16,7 @@ export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install test test-python test-mpi test-c test-slurm demo bench lint clean
+.PHONY: install test test-python test-mpi test-c test-slurm test-cluster demo bench lint clean
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 test: test-python test-mpi test-c
 
 test-python: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/cluster tests
 
 test-mpi: $(STAMP)
 	timeout 1200 $(MPIRUN) -n 4 $(PY) -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
@@ -42,6 +42,10 @@ test-c:
 
 test-slurm: $(STAMP)
 	bash tests/slurm/run.sh
+
+# The emulated cluster (mpipipe.testbed): root only; installs iproute2/util-linux if missing.
+test-cluster: $(STAMP)
+	bash tests/cluster/run.sh
 
 demo: $(STAMP)
 	bash jobs/demo.sh

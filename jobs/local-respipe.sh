@@ -3,7 +3,7 @@
 # runs under Slurm, without Slurm.
 #
 # Usage, from anywhere:
-#   jobs/local-respipe.sh [-n RANKS] [CONFIG] [--set section.key=value ...] [--inject SPEC ...]
+#   jobs/local-respipe.sh [-n RANKS] [--testbed FILE] [CONFIG] [--set section.key=value ...] [--inject SPEC ...]
 #
 # CONFIG defaults to jobs/configs/respipe-digits.toml (3 stages and a backup
 # of each: 6 ranks); RANKS must equal the stages plus the backups, e.g.

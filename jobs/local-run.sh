@@ -3,8 +3,11 @@
 # scripts run under Slurm, without Slurm). jobs/local-respipe.sh and
 # jobs/local-stannis.sh call it; use those.
 #
-#   jobs/local-run.sh respipe|stannis [-n RANKS] [CONFIG] [--set section.key=value ...] [--inject SPEC ...]
+#   jobs/local-run.sh respipe|stannis [-n RANKS] [--testbed FILE] [CONFIG] [--set section.key=value ...] [--inject SPEC ...]
 #
+# --testbed FILE runs the ranks across the emulated nodes of a testbed file (needs root;
+# see docs/testbed.md): they fill the nodes' slots in file order. The testbed is brought
+# up for the run and taken down after it, unless exactly that testbed is up already.
 # The HDF5 log goes to runs/local-<time>/<system>.h5. The environment is the
 # project's .venv, or the virtual environment named by MPIPIPE_VENV. More
 # ranks than cores are fine: each rank gets one thread and waiting ranks yield.
@@ -27,11 +30,17 @@ if [[ ! -x $VENV/bin/python || ! -x $VENV/bin/mpirun ]]; then
     exit 2
 fi
 
-if [[ ${1:-} == -n ]]; then
-    [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "$PROG: error: -n needs a number of ranks" >&2; exit 2; }
-    RANKS=$2
-    shift 2
-fi
+TESTBED=
+while (($#)); do
+    case $1 in
+        -n) [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "$PROG: error: -n needs a number of ranks" >&2; exit 2; }
+            RANKS=$2; shift 2 ;;
+        --testbed) [[ -f ${2:-} ]] || { echo "$PROG: error: --testbed needs a testbed file" \
+                                             "(e.g. jobs/testbed/respipe-phones.toml)" >&2; exit 2; }
+            TESTBED=$(realpath "$2"); shift 2 ;;
+        *) break ;;
+    esac
+done
 CONFIG=$ROOT/jobs/configs/$SYSTEM-digits.toml
 if (($#)) && [[ $1 != -* ]]; then
     CONFIG=$(realpath "$1")
@@ -48,7 +57,17 @@ if [[ $(id -u) == 0 ]]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
 
-echo "$SYSTEM: $RANKS ranks, config $CONFIG, log $RUN_DIR/$SYSTEM.h5"
-exec "$VENV/bin/mpirun" "${FT[@]}" --oversubscribe -n "$RANKS" \
+# Where the ranks go: this machine (more ranks than cores are fine), or a testbed's nodes
+# (the testbed module gives the mpirun options, and runs mpirun with the testbed up).
+PLACE=(--oversubscribe)
+WRAP=()
+if [[ -n $TESTBED ]]; then
+    TB_ARGS=$("$VENV/bin/python" -m mpipipe.testbed mpirun-args "$TESTBED") || exit 2
+    mapfile -t PLACE <<<"$TB_ARGS"
+    WRAP=("$VENV/bin/python" -m mpipipe.testbed run "$TESTBED" --)
+fi
+
+echo "$SYSTEM: $RANKS ranks, config $CONFIG, log $RUN_DIR/$SYSTEM.h5${TESTBED:+, testbed $TESTBED}"
+exec "${WRAP[@]}" "$VENV/bin/mpirun" "${FT[@]}" "${PLACE[@]}" -n "$RANKS" \
     "$VENV/bin/python" -m "$MODULE" train --config "$CONFIG" \
     --log "$RUN_DIR/$SYSTEM.h5" "$@"

@@ -3,7 +3,7 @@
 # runs under Slurm, without Slurm.
 #
 # Usage, from anywhere:
-#   jobs/local-stannis.sh [-n RANKS] [CONFIG] [--set section.key=value ...] [--inject SPEC ...]
+#   jobs/local-stannis.sh [-n RANKS] [--testbed FILE] [CONFIG] [--set section.key=value ...] [--inject SPEC ...]
 #
 # CONFIG defaults to jobs/configs/stannis-digits.toml (a host and 4 emulated
 # CSDs: 5 ranks); RANKS must equal 1 + stannis.csds. Make the demo data first

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Any
 
 from .config import ConfigError, load_config
 from .inject import FaultError, check_reachable, parse_all
+from .placement import check_placement
 from .progress import Progress
 from .roles import LaunchPlan, PlanError, check_world_size, fail_fast
 from .runlog import LogError, RunLog
@@ -174,6 +176,12 @@ def start_run(
         check_faults(cfg, plan, list(cfg[section][key]), total)
     except (ConfigError, PlanError, FaultError) as e:
         fail_fast(comm, e, prog, rank)
+    # Each rank's node: a replica on the node of what it guards is refused (placement.py).
+    hosts = comm.allgather(socket.gethostname())
+    try:
+        check_placement(plan, hosts, cfg.get("resilience", {}))
+    except PlanError as e:
+        fail_fast(comm, e, prog, rank)
 
     # The writer decides about the file (it may be the only rank that sees it), and
     # every rank learns the verdict, so that a refusal stops all of them at once.
@@ -201,7 +209,7 @@ def start_run(
         try:
             log = RunLog(path, system=system, config=cfg, comm_size=size,
                          emulation=emulation(cfg, plan) if emulation else None,
-                         attrs={"plan": plan.describe()}, mode=mode)
+                         attrs={"plan": plan.describe(), "hosts": hosts}, mode=mode)
         except (OSError, LogError) as e:
             error = f"cannot write the run log {path}: {e}"
     error, where, start = comm.bcast((error, str(log.path.resolve()) if log.active else None,

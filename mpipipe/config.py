@@ -68,6 +68,7 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "mode": "cold",  # cold | hot | neighbour
         "deadline_s": 30.0,  # a wait longer than this marks the sender late
         "deadline_factor": 0.0,  # if > 0: deadline = factor x running median of that wait
+        "allow_same_node": False,  # true: a backup may share its stage's node (multi-node worlds)
         "inject": [],  # fault specs, as with --inject
     },
 }

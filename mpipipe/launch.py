@@ -17,6 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .testbed import Testbed, TestbedError, current
+from .testbed import mpirun_args as testbed_mpirun_args
+
 __all__ = ["ROOT", "mpirun_env", "mpirun_command", "start_mpi", "kill_job", "run_mpi"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,22 +39,37 @@ def mpirun_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def mpirun_command(n: int, *argv: str, ulfm: bool = False, python: str = sys.executable) -> list[str]:
-    """``mpirun [--with-ft ulfm] --oversubscribe -n N python ARGV...`` with the venv's mpirun."""
+def mpirun_command(n: int, *argv: str, ulfm: bool = False, python: str = sys.executable,
+                   testbed: Testbed | None = None) -> list[str]:
+    """``mpirun [--with-ft ulfm] --oversubscribe -n N python ARGV...`` with the venv's mpirun.
+
+    With a ``testbed``, the ranks run across its nodes instead (see
+    :func:`mpipipe.testbed.mpirun_args`): they fill the nodes' slots, and more ranks than
+    slots is an error rather than an oversubscription.
+    """
     mpirun = Path(python).parent / "mpirun"
     cmd = [str(mpirun if mpirun.exists() else "mpirun")]
     if ulfm:
         cmd += ["--with-ft", "ulfm"]
-    return [*cmd, "--oversubscribe", "-x", "PYTHONPATH", "-n", str(n), python, *argv]
+    cmd += testbed_mpirun_args(testbed) if testbed is not None else ["--oversubscribe"]
+    return [*cmd, "-x", "PYTHONPATH", "-n", str(n), python, *argv]
 
 
 def start_mpi(n: int, argv: Sequence[str], *, ulfm: bool = False,
               env: Mapping[str, str] | None = None, cwd: Path = ROOT,
-              **popen: Any) -> subprocess.Popen:
+              testbed: Testbed | None = None, **popen: Any) -> subprocess.Popen:
     """Start ``python ARGV`` on ``n`` ranks in a session of its own, so that
-    :func:`kill_job` can end every rank (they are not in mpirun's process group)."""
-    return subprocess.Popen(mpirun_command(n, *argv, ulfm=ulfm), cwd=cwd, env=mpirun_env(env),
-                            start_new_session=True, **popen)
+    :func:`kill_job` can end every rank (they are not in mpirun's process group).
+
+    Raises:
+        TestbedError: a ``testbed`` is given but is not the one that is up (the job would
+            otherwise fail inside mpirun, or run on whatever testbed is up).
+    """
+    if testbed is not None and current() != testbed:
+        raise TestbedError("that testbed is not up; run 'python -m mpipipe.testbed up FILE' "
+                           "(or 'run FILE -- CMD') first")
+    return subprocess.Popen(mpirun_command(n, *argv, ulfm=ulfm, testbed=testbed), cwd=cwd,
+                            env=mpirun_env(env), start_new_session=True, **popen)
 
 
 def kill_job(job: subprocess.Popen, within_s: float = 10.0) -> None:
@@ -91,6 +109,7 @@ def run_mpi(
     timeout: float,
     env: Mapping[str, str] | None = None,
     cwd: Path = ROOT,
+    testbed: Testbed | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python ARGV`` on ``n`` ranks and capture its output.
 
@@ -99,7 +118,7 @@ def run_mpi(
             the exception carries what the job printed), so a hang fails the caller
             instead of blocking it or leaving ranks behind.
     """
-    job = start_mpi(n, argv, ulfm=ulfm, env=env, cwd=cwd, stdout=subprocess.PIPE,
+    job = start_mpi(n, argv, ulfm=ulfm, env=env, cwd=cwd, testbed=testbed, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, text=True)
     try:
         out, err = job.communicate(timeout=timeout)

@@ -1,0 +1,117 @@
+"""A 3-node testbed, up once for this module: its nodes, Open MPI across them, a shaped link
+measured with the project's own transport, and a down that leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mpipipe import testbed
+from mpipipe.launch import kill_job, run_mpi, start_mpi
+
+WHERE = ("import socket; from mpi4py import MPI; "
+         "cg = [l for l in open('/proc/self/cgroup').read().splitlines() if ':cpu:' in l or l.startswith('0::')]; "
+         "print(MPI.COMM_WORLD.rank, socket.gethostname(), cg[0].rsplit('/', 1)[-1], flush=True)")
+
+
+def _in_node(tb: testbed.Testbed, node: str, *argv: str) -> str:
+    done = subprocess.run(testbed.node_command(tb, node, argv), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.timeout(60)
+def test_three_nodes_come_up(bed: testbed.Testbed) -> None:
+    assert testbed.current() == bed
+    hosts = Path("/etc/hosts").read_text()
+    for node, address in zip(bed.nodes, ("10.213.0.2", "10.213.0.3", "10.213.0.4"), strict=True):
+        # its own hostname, address, CPU budget and, both ways, its link rate
+        assert _in_node(bed, node.name, "hostname").strip() == node.host
+        assert f"inet {address}/24" in _in_node(bed, node.name, "ip", "-4", "addr", "show", "eth0")
+        group = _in_node(bed, node.name, "cat", "/proc/self/cgroup")
+        assert f"/{node.host}" in group
+        quota = Path(f"/sys/fs/cgroup/cpu/{node.host}/cpu.cfs_quota_us")
+        if quota.exists():
+            assert quota.read_text().strip() == "50000"
+        rate = "100Mbit" if node.name == "c" else "1Gbit"
+        assert f"rate {rate}" in _in_node(bed, node.name, "tc", "qdisc", "show", "dev", "eth0")
+        host_end = subprocess.run(["tc", "qdisc", "show", "dev", node.host], capture_output=True, text=True)
+        assert f"rate {rate}" in host_end.stdout
+        assert f"{address} {node.host} {testbed.HOSTS_TAG}" in hosts
+    # a node reaches the others over the bridge, and nothing else (no default route)
+    routes = _in_node(bed, "a", "ip", "-4", "route")
+    assert "default" not in routes and "10.213.0.0/24" in routes
+    status = subprocess.run([sys.executable, "-m", "mpipipe.testbed", "status"], capture_output=True, text=True)
+    assert "mpt-c" in status.stdout and "100 Mbit" in status.stdout
+
+
+@pytest.mark.timeout(120)
+def test_mpirun_puts_ranks_on_three_hostnames(bed: testbed.Testbed) -> None:
+    result = run_mpi(3, ["-c", WHERE], timeout=90, testbed=bed)
+    assert result.returncode == 0, result.stderr
+    seen = sorted(line.split() for line in result.stdout.splitlines() if line[:1].isdigit())
+    # rank i on node i (file order, one slot each), in that node's cgroup
+    assert seen == [["0", "mpt-a", "mpt-a"], ["1", "mpt-b", "mpt-b"], ["2", "mpt-c", "mpt-c"]]
+
+
+@pytest.mark.timeout(180)
+def test_shaped_link_rate_by_transport(bed: testbed.Testbed) -> None:
+    # ranks on a (1000 Mbit/s) and c (100 Mbit/s): c's link sets the rate both ways
+    result = run_mpi(3, ["-m", "mpipipe.linkprobe", "--mbytes", "20", "--pairs", "0:2,2:0"],
+                     timeout=150, testbed=bed)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(r["source_host"], r["dest_host"]) for r in rows] == [("mpt-a", "mpt-c"), ("mpt-c", "mpt-a")]
+    for r in rows:
+        assert 0.85 <= r["mbit_s"] / 100 <= 1.15, rows
+
+
+@pytest.mark.timeout(120)
+def test_kill_job_ends_ranks_inside_nodes(bed: testbed.Testbed) -> None:
+    # what run_mpi does on a timeout must also reach ranks started through the rsh agent
+    job = start_mpi(3, ["-c", "import time; from mpi4py import MPI; print('up', flush=True); time.sleep(600)"],
+                    testbed=bed, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ups = [job.stdout.readline() for _ in range(3)]
+        assert ups == ["up\n"] * 3
+    finally:
+        kill_job(job)
+    give_up = time.monotonic() + 10
+    while time.monotonic() < give_up and _node_pids(bed):
+        time.sleep(0.1)
+    assert _node_pids(bed) == []
+
+
+def _node_pids(tb: testbed.Testbed) -> list[int]:
+    pids = []
+    for node in tb.nodes:
+        out = subprocess.run(["ip", "netns", "pids", node.host], capture_output=True, text=True).stdout
+        pids += [int(p) for p in out.split()]
+    return pids
+
+
+@pytest.mark.timeout(60)
+def test_down_leaves_nothing_behind(bed: testbed.Testbed) -> None:
+    # a process still running in a node (as after a crashed job) must not stop down
+    stray = subprocess.Popen(testbed.node_command(bed, "b", ["sleep", "600"]))
+    try:
+        time.sleep(0.5)
+        removed = testbed.down()
+    finally:
+        stray.kill()
+        stray.wait()
+    assert any(r.startswith("netns mpt-") for r in removed)
+    assert testbed.leftovers() == []
+    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if n.startswith("mpt-")]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert "mpt-" not in links
+    assert not list(Path("/sys/fs/cgroup/cpu").glob("mpt-*")) and not list(Path("/sys/fs/cgroup").glob("mpt-*"))
+    assert testbed.HOSTS_TAG not in Path("/etc/hosts").read_text()
+    assert testbed.current() is None
+    assert testbed.down() == []  # idempotent
