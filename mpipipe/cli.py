@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, load_config
-from .progress import Progress
+from .progress import Progress, startup_line
 from .roles import LaunchPlan, PlanError, check_world_size, fail_fast
 from .runlog import RunLog
 
@@ -130,6 +130,9 @@ def start_run(
         log = RunLog.null(where, start, system=system)
     progress = Progress(total_steps(cfg), enabled=(rank == 0), quiet=args.quiet,
                         every=cfg["run"].get("log_every", 10), prog=prog)
+    hosts = comm.gather(MPI.Get_processor_name(), root=0)
+    if rank == 0:
+        progress.startup(startup_line(size, plan.roles, hosts, where))
     return Run(comm, rank, size, cfg, plan, log, progress, args, prog)
 
 
