@@ -470,7 +470,8 @@ def open_log(path: str | Path) -> RunData:
     if not p.exists():
         raise LogError(f"{p}: no such file")
     try:
-        f = h5py.File(p, "r")
+        # No file lock: a log can be read while its run writes it (docs/hdf5-log.md)
+        f = h5py.File(p, "r", locking=False)
     except OSError as e:
         raise LogError(f"{p}: not a readable HDF5 file ({e})") from None
     with f:
