@@ -452,7 +452,7 @@ def _mark_events(ax: Any, run: RunData, color: Any, x: str, *, label_kinds: bool
     gap = LABEL_GAP * (hi - lo) if hi > lo else 0.0
     trans = blended_transform_factory(ax.transData, ax.transAxes)
     clusters: list[tuple[float, list[str]]] = []
-    for pos, kind in sorted(marks):
+    for pos, kind in sorted(marks, key=lambda m: m[0]):  # log order within a position
         if clusters and pos - clusters[-1][0] <= gap:
             if kind not in clusters[-1][1]:
                 clusters[-1][1].append(kind)
