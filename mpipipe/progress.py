@@ -146,37 +146,38 @@ def startup_line(world: int, plan: Sequence[Any], hosts: Sequence[str], log: str
     return f"{world} rank{'s' if world != 1 else ''} on {_hosts(hosts)}; plan: {roles}; {where}"
 
 
-def _seconds(value: Any) -> str:
-    return f"{value:.3f} s" if isinstance(value, int | float) else "?"
+# The console line of each event kind worth one; fields are the event's detail keys
+# (seconds printed to the millisecond, a missing key as "?").
+_EVENT_LINES = {
+    "fault_injected": "fault injected on rank {rank}: {fault}",
+    "failure_detected": "rank {rank} (stage {stage}) failed, detected after {detected_after_s} ({how})",
+    "takeover": "takeover: stage {stage} (was rank {replaced}) now served by rank {rank}, generation "
+                "{generation}, {replay_text}{lost_text}",
+    "takeover_recovered": "stage {stage} recovered {recovery_s} after the fault",
+    "stage_lost": "stage {stage} lost (rank {rank}, {reason})",
+    "rejoined": "rank {rank} rejoined as a backup of stage {stage}, generation {generation}",
+    "log_writer_moved": "rank {rank} writes the log now (rank {previous} left the job)",
+}
+
+
+class _Fields(dict):
+    def __missing__(self, key: str) -> str:
+        return "?"
 
 
 def event_line(kind: str, step: int, rank: int, detail: Mapping[str, Any]) -> str | None:
     """The console line of a logged event, or None for kinds not worth a line
     (routine ones: replicas, checkpoints, the cost model, ...)."""
-    d = detail
-    if kind == "fault_injected":
-        return f"step {step}: fault injected on rank {rank}: {d.get('fault', '?')}"
-    if kind == "failure_detected":
-        return (f"step {step}: rank {rank} (stage {d.get('stage', '?')}) failed, detected after "
-                f"{_seconds(d.get('detected_after_s'))} ({d.get('how', '?')})")
-    if kind == "takeover":
-        replay = int(d.get("replay_step", -1))
-        how = "finishing the step in flight (no replay)" if replay < 0 else f"replaying step {replay}"
-        lost = d.get("lost_updates")
-        lost_text = f", {lost} update{'s' if lost != 1 else ''} lost" if isinstance(lost, int) and lost else ""
-        return (f"step {step}: takeover: stage {d.get('stage', '?')} (was rank {d.get('replaced', '?')}) "
-                f"now served by rank {rank}, generation {d.get('generation', '?')}, {how}{lost_text}")
-    if kind == "takeover_recovered":
-        return (f"step {step}: stage {d.get('stage', '?')} recovered "
-                f"{_seconds(d.get('recovery_s'))} after the fault")
-    if kind == "stage_lost":
-        return f"step {step}: stage {d.get('stage', '?')} lost (rank {rank}, {d.get('reason', '?')})"
-    if kind == "rejoined":
-        return (f"step {step}: rank {rank} rejoined as a backup of stage {d.get('stage', '?')}, "
-                f"generation {d.get('generation', '?')}")
-    if kind == "log_writer_moved":
-        return f"step {step}: rank {rank} writes the log now (rank {d.get('previous', '?')} left the job)"
-    return None
+    template = _EVENT_LINES.get(kind)
+    if template is None:
+        return None
+    fields = _Fields({k: f"{v:.3f} s" if k.endswith("_s") and isinstance(v, int | float) else v
+                      for k, v in detail.items()}, rank=rank)
+    replay = int(detail.get("replay_step", -1))
+    fields["replay_text"] = "finishing the step in flight (no replay)" if replay < 0 else f"replaying step {replay}"
+    lost = detail.get("lost_updates")
+    fields["lost_text"] = f", {lost} update{'s' if lost != 1 else ''} lost" if isinstance(lost, int) and lost else ""
+    return f"step {step}: " + template.format_map(fields)
 
 
 class Progress:

@@ -45,6 +45,7 @@ from .costmodel import predict, stage_shapes
 from .inject import Fault, FaultPlan
 from .lr import set_rate_for_step
 from .pipeline import SHADOW_GRAD_MICRO, Have, Pipeline, Route, stage_consumers
+from .progress import throughput
 from .replica import pack_state, replica_numel, unpack_state
 from .runlog import LogError
 from .transport import CTRL, REPLICA, SHADOW, Late, PeerFailed, pause
@@ -1772,7 +1773,10 @@ def train(run: Any) -> int:
     if log.active:
         summary = {
             "steps": result["steps"],
-            "samples_per_s": progress.samples_per_s,  # mpipipe.progress.throughput of the rows
+            # the file's rows: a writer that took over has not seen the first ones itself
+            # (its own rows only if the file is not open yet: the old writer holds it)
+            "samples_per_s": throughput(log.written("time"), log.written("samples"))
+            if len(log.written("time")) else progress.samples_per_s,
             "final_loss": result["loss"],
             "test_accuracy": result["accuracy"],
             "takeovers": result["takeovers"],

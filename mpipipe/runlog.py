@@ -388,6 +388,13 @@ class RunLog:
         self._file.attrs[key] = value if isinstance(value, str | int | float) else json.dumps(value, default=_jsonable)
         self._file.flush()
 
+    def written(self, name: str, group: str = "steps") -> np.ndarray:
+        """Column ``/<group>/<name>`` as this writer's file holds it now (empty where this
+        rank's file is not open): rows another writer wrote before this one took over too."""
+        if self._file is None or name not in self._file[group]:
+            return np.array([])
+        return self._file[group][name][()]
+
     def close(self, status: str = "completed", wait_s: float = 30.0) -> None:
         """Mark the run finished (``completed`` or ``failed: why``) and close the file.
 

@@ -126,15 +126,19 @@ def test_plain_run_console_and_one_throughput(digits: Path, tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(400)
-def test_respipe_prints_fault_takeover_and_evaluations_once(digits: Path, tmp_path: Path) -> None:
-    log = tmp_path / "respipe.h5"
+@pytest.mark.parametrize("stage", [1, 0], ids=["stage-1", "stage-0-the-log-writer"])
+def test_respipe_prints_fault_takeover_and_evaluations_once(digits: Path, tmp_path: Path, stage: int) -> None:
+    """Killing stage 0 also kills the log writer: the fault is announced by the dying writer,
+    the takeover by the new one; neither line twice, and the summary still equals the report."""
+    log = tmp_path / f"respipe-{stage}.h5"
     result = _train(4, RESPIPE, digits, log, "--set", "run.steps=20", "--set", "run.eval_every=10",
-                    "--set", "resilience.backups={1 = 1}", "--inject", "kill:stage=1:step=8",
+                    "--set", f"resilience.backups={{{stage} = 1}}", "--inject", f"kill:stage={stage}:step=8",
                     ulfm=True, timeout=360)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
-    assert out.count("fault injected on rank 1: kill:stage=1:step=8") == 1, out
-    assert len(re.findall(r"takeover: stage 1 \(was rank 1\) now served by rank 3", out)) == 1, out
+    assert out.count(f"fault injected on rank {stage}: kill:stage={stage}:step=8") == 1, out
+    assert len(re.findall(rf"takeover: stage {stage} \(was rank {stage}\) now served by rank 3", out)) == 1, out
+    assert out.count("takeover:") == 1, out
     assert "took over" not in out + result.stderr  # no second report from the promoted rank
     assert out.count("test accuracy") == 3, out  # steps 10 and 20, and the summary
     assert out.count(" ranks on ") == 1
