@@ -24,7 +24,7 @@ import numpy as np
 
 from .progress import THROUGHPUT
 from .progress import throughput as _throughput
-from .runlog import LogError, RunData, open_log
+from .runlog import LogError, RunData, open_for_reading, open_log
 
 __all__ = ["load_run", "summarize", "compare", "plot_runs", "add_parser", "main"]
 
@@ -110,10 +110,8 @@ def load_run(path: str | Path) -> RunData:
 
 def _missing_event_columns(path: Path) -> list[str]:
     """The /events columns RunLog always creates but this file lacks (open_log reads such a file as eventless)."""
-    import h5py
-
     try:
-        with h5py.File(path, "r", locking=False) as f:
+        with open_for_reading(path) as f:
             return [c for c in _EVENT_COLUMNS if c not in f["events"]]
     except (OSError, KeyError):  # open_log read it a moment ago; nothing more to say
         return []

@@ -32,7 +32,8 @@ from typing import Any, TypeVar
 import h5py
 import numpy as np
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_log", "package_versions"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_log", "open_for_reading",
+           "package_versions"]
 
 FORMAT = "mpipipe-runlog"
 FORMAT_VERSION = 1
@@ -466,6 +467,18 @@ def _columns(group: h5py.Group, where: str) -> dict[str, np.ndarray]:
     return cols
 
 
+def open_for_reading(path: Path) -> h5py.File:
+    """Open a log read-only without HDF5's file lock, so that a log can be read while its
+    run writes it (docs/hdf5-log.md). A process that has the file open already (its own
+    writer) must open it with the lock setting it used: HDF5 shares the open file."""
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as e:
+        if "locking flag" not in str(e):
+            raise
+        return h5py.File(path, "r")
+
+
 def open_log(path: str | Path) -> RunData:
     """Read a run log written by :class:`RunLog`.
 
@@ -477,8 +490,7 @@ def open_log(path: str | Path) -> RunData:
     if not p.exists():
         raise LogError(f"{p}: no such file")
     try:
-        # No file lock: a log can be read while its run writes it (docs/hdf5-log.md)
-        f = h5py.File(p, "r", locking=False)
+        f = open_for_reading(p)
     except OSError as e:
         raise LogError(f"{p}: not a readable HDF5 file ({e})") from None
     with f:
