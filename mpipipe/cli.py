@@ -23,7 +23,7 @@ from typing import Any
 from .config import ConfigError, load_config
 from .inject import FaultError, check_reachable, parse_all
 from .placement import check_placement
-from .progress import Progress
+from .progress import Progress, startup_line
 from .roles import LaunchPlan, PlanError, check_world_size, fail_fast
 from .runlog import LogError, RunLog
 
@@ -225,6 +225,8 @@ def start_run(
         log.expect_steps(1, total)
     progress = Progress(total, enabled=(rank == writer), quiet=args.quiet,
                         every=cfg["run"].get("log_every", 10), prog=prog)
+    if rank == writer:
+        progress.startup(startup_line(size, plan.roles, hosts, where))
     return Run(comm, rank, size, cfg, plan, log, progress, args, prog)
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +22,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .runlog import LogError, RunData, open_log
+from .progress import THROUGHPUT
+from .progress import throughput as _throughput
+from .runlog import LogError, RunData, open_for_reading, open_log
 
 __all__ = ["load_run", "summarize", "compare", "plot_runs", "add_parser", "main"]
 
@@ -37,7 +41,7 @@ _EVENT_COLUMNS = ("step", "time", "kind", "rank", "detail")
 # Events that recur every few steps: counted in the summary, not listed or marked one by one.
 ROUTINE_EVENTS = frozenset({"replica", "checkpoint", "late"})
 # Events listed in the summary but not drawn on plots (they say how, not when something happened).
-_UNMARKED_EVENTS = ROUTINE_EVENTS | {"energy_source", "benchmark"}
+_UNMARKED_EVENTS = ROUTINE_EVENTS | {"energy_source", "benchmark", "cost_model", "cpu_binding", "resume"}
 # A kind with more events than this in one run is not drawn either: the lines would hide the curves.
 _MAX_MARKED = 20
 
@@ -57,23 +61,37 @@ _QUIET_SECTIONS = frozenset({"run", "data", "model", "optim", "pipeline", "resil
 # ---------------------------------------------------------------- loading
 
 
+READ_TRIES = 5  # a log read while its run writes it may be caught mid-flush: read it again
+READ_RETRY_S = 0.2
+
+
 def load_run(path: str | Path) -> RunData:
     """Read and check one run log, so that the report never meets a missing column.
+
+    A log still being written is read too (open_log does not take HDF5's file
+    lock); a read that meets a half-written record is tried again a few times
+    before the file is called damaged.
 
     Raises:
         LogError: the file is missing, not HDF5, not a run log, or damaged;
             the one-line message names the file and what is missing.
     """
-    try:
-        run = open_log(path)
-    except LogError as e:
-        raise LogError(_one_line(str(e))) from None
-    except KeyError as e:
-        raise LogError(_one_line(f"{path}: damaged run log: column {e} is missing (schema: docs/hdf5-log.md)")) \
-            from None
-    except (OSError, ValueError, TypeError, RuntimeError) as e:
-        # h5py raises these for a file damaged inside (bad chunk, broken link)
-        raise LogError(_one_line(f"{path}: damaged run log ({type(e).__name__}: {e})")) from None
+    for attempt in range(READ_TRIES):
+        try:
+            run = open_log(path)
+            break
+        except LogError as e:
+            if not Path(path).exists() or "not an mpipipe run log" in str(e) or attempt == READ_TRIES - 1:
+                raise LogError(_one_line(str(e))) from None
+        except KeyError as e:
+            if attempt == READ_TRIES - 1:
+                raise LogError(_one_line(f"{path}: damaged run log: column {e} is missing "
+                                         f"(schema: docs/hdf5-log.md)")) from None
+        except (OSError, ValueError, TypeError, RuntimeError) as e:
+            # h5py raises these for a file damaged inside (bad chunk, broken link)
+            if attempt == READ_TRIES - 1:
+                raise LogError(_one_line(f"{path}: damaged run log ({type(e).__name__}: {e})")) from None
+        time.sleep(READ_RETRY_S)
     missing = _missing_event_columns(run.path)
     if missing:
         raise LogError(f"{run.path}: damaged run log: /events lacks column(s) {', '.join(missing)} "
@@ -92,10 +110,8 @@ def load_run(path: str | Path) -> RunData:
 
 def _missing_event_columns(path: Path) -> list[str]:
     """The /events columns RunLog always creates but this file lacks (open_log reads such a file as eventless)."""
-    import h5py
-
     try:
-        with h5py.File(path, "r") as f:
+        with open_for_reading(path) as f:
             return [c for c in _EVENT_COLUMNS if c not in f["events"]]
     except (OSError, KeyError):  # open_log read it a moment ago; nothing more to say
         return []
@@ -128,17 +144,18 @@ def last_step(run: RunData) -> int:
 
 
 def throughput(run: RunData) -> float:
-    """Steady samples/s: samples of steps 2..n over the time between step 1 and step n.
-
-    Step 1 carries start-up (partitioning, first allocations), so it is left
-    out; with a single step the logged per-step figure is all there is.
-    """
+    """The run's samples/s, as the summary line and the progress display give it:
+    :func:`mpipipe.progress.throughput` of the log's ``time`` and ``samples`` columns
+    (samples of steps 2..n over the wall seconds from step 1 to step n)."""
     t = _float(run.steps.get("time", np.array([])))
     s = _float(run.steps.get("samples", np.array([])))
-    if len(t) >= 2 and t[-1] > t[0]:
-        return _nansum(s[1:]) / float(t[-1] - t[0])
-    sps = _float(run.steps.get("samples_per_s", np.array([])))
-    return float(sps[-1]) if len(sps) else math.nan
+    return _throughput(t.tolist(), s.tolist())
+
+
+def first_step_time(run: RunData) -> float:
+    """The log time of the first step row: where the plots' time axes start (0 if none)."""
+    t = _float(run.steps.get("time", np.array([])))
+    return float(t[0]) if len(t) and not math.isnan(t[0]) else 0.0
 
 
 def final_loss(run: RunData) -> float:
@@ -162,6 +179,12 @@ def roles(run: RunData) -> dict[int, str]:
         if rank.strip().isdigit() and role.strip():
             out[int(rank)] = role.strip()
     return out
+
+
+def idle_ranks(run: RunData) -> list[int]:
+    """Ranks of the plan with no per-step row: backups that only stood by (a cold backup
+    receives replicas but runs no step), or a rank that died before its first step."""
+    return sorted(r for r in roles(run) if not len(run.ranks.get(r, {}).get("step", [])))
 
 
 def rank_figures(cols: dict[str, np.ndarray]) -> dict[str, float]:
@@ -298,8 +321,8 @@ def summarize(run: RunData) -> str:
                      f"{_fmt(float(t[-1]), '.1f')} s since start)")
         sps = _float(run.steps["samples_per_s"])
         median = float(np.nanmedian(sps)) if np.any(~np.isnan(sps)) else math.nan
-        lines.append(f"   samples/s: {_fmt(throughput(run), ',.1f')} (steady, after step 1); "
-                     f"median per step {_fmt(median, ',.1f')}")
+        lines.append(f"   samples/s: {_fmt(throughput(run), ',.1f')} (samples of steps 2..n / seconds "
+                     f"from step 1 to n); median per step {_fmt(median, ',.1f')}")
     acc, acc_step = final_accuracy(run)
     acc_text = f"{acc * 100:.2f}% (step {acc_step}, {len(run.eval.get('step', []))} evaluations)" \
         if not math.isnan(acc) else "not evaluated"
@@ -327,6 +350,9 @@ def summarize(run: RunData) -> str:
                 total_samples += 0 if math.isnan(f.get("samples", math.nan)) else f["samples"]
                 total_j += 0 if math.isnan(f.get("joules", math.nan)) else f["joules"]
             lines.append(row)
+        for rank in idle_ranks(run):
+            lines.append(f"   {rank:>4} {role_of.get(rank, '?'):<10} {0:>5}  idle: no step rows (a backup "
+                         f"that stood by, or a rank gone before its first step)")
         if stannis:
             lines.append("   (samples/s per rank = samples / compute time: the rank's own speed; samples/J = "
                          "samples / joules)")
@@ -382,7 +408,8 @@ def compare(runs: Sequence[RunData]) -> str:
 
 
 _LINESTYLES = ("-", "--", ":", "-.")
-_EVENT_STYLES = {"failure_detected": ":", "takeover": "--", "fault_injected": "-.", "retune": (0, (5, 1, 1, 1))}
+_EVENT_STYLES = {"failure_detected": ":", "takeover": "--", "fault_injected": "-.", "retune": (0, (5, 1, 1, 1)),
+                 "takeover_recovered": (0, (1, 3))}
 
 
 def _run_colors(n: int) -> list[Any]:
@@ -392,25 +419,46 @@ def _run_colors(n: int) -> list[Any]:
     return [cmap(i % 10) for i in range(n)]
 
 
+LABEL_GAP = 0.04  # events closer than this share of the axis get one label, so labels never overlap
+# Short names on the plots, so that a label of several kinds fits the axes' height.
+_SHORT = {"fault_injected": "fault", "failure_detected": "detected", "takeover_recovered": "recovered",
+          "log_writer_moved": "log moved"}
+
+
 def _mark_events(ax: Any, run: RunData, color: Any, x: str, *, label_kinds: bool) -> None:
-    """Vertical lines at the notable events of ``run`` (x = 'step' or 'time'), one label per position."""
+    """Vertical lines at the notable events of ``run`` (x = 'step' or 'time'; time counts from
+    the first step, as the curves do). Events closer together than LABEL_GAP of the axis share
+    one label, written once."""
     from matplotlib.transforms import blended_transform_factory
 
-    trans = blended_transform_factory(ax.transData, ax.transAxes)
-    at: dict[float, list[str]] = {}
+    shift = first_step_time(run) if x == "time" else 0.0
     counts = Counter(e["kind"] for e in run.events)
+    marks: list[tuple[float, str]] = []
     for ev in run.events:
-        pos = float(ev[x])
-        if ev["kind"] in _UNMARKED_EVENTS or counts[ev["kind"]] > _MAX_MARKED or math.isnan(pos):
+        pos = float(ev[x]) - shift
+        if ev["kind"] in _UNMARKED_EVENTS or counts[ev["kind"]] > _MAX_MARKED or math.isnan(pos) or pos < 0:
             continue
-        kinds = at.setdefault(pos, [])
-        if ev["kind"] not in kinds:
-            kinds.append(ev["kind"])
+        if (pos, ev["kind"]) not in marks:
+            marks.append((pos, ev["kind"]))
             ax.axvline(pos, color=color, linestyle=_EVENT_STYLES.get(ev["kind"], "--"), linewidth=1, alpha=0.7)
-    if label_kinds:
-        for pos, kinds in at.items():
-            ax.text(pos, 0.98, " " + ", ".join(kinds), transform=trans, rotation=90, va="top", ha="right",
-                    fontsize=7, color=color)
+    if not label_kinds or not marks:
+        return
+    ends = _float(run.steps.get(x, np.array([]))) - shift
+    ends = ends[~np.isnan(ends)]
+    lo = min([0.0, *[p for p, _ in marks]])
+    hi = max([float(ends[-1]) if len(ends) else 0.0, *[p for p, _ in marks]])
+    gap = LABEL_GAP * (hi - lo) if hi > lo else 0.0
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    clusters: list[tuple[float, list[str]]] = []
+    for pos, kind in sorted(marks, key=lambda m: m[0]):  # log order within a position
+        if clusters and pos - clusters[-1][0] <= gap:
+            if kind not in clusters[-1][1]:
+                clusters[-1][1].append(kind)
+        else:
+            clusters.append((pos, [kind]))
+    for pos, kinds in clusters:
+        ax.text(pos, 0.98, " " + ", ".join(_SHORT.get(k, k) for k in kinds), transform=trans, rotation=90,
+                va="top", ha="right", fontsize=7, color=color)
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -436,11 +484,14 @@ def _plot_training(runs: Sequence[RunData], labels: list[str], colors: list[Any]
                 table = getattr(run, group)
                 if col in table and len(table[col]):
                     y = _float(table[col]) * (100 if col == "accuracy" else 1)
-                    ax.plot(_float(table[x]), y, color=color, label=label,
+                    xs = _float(table[x]) - (first_step_time(run) if x == "time" else 0.0)
+                    ax.plot(xs, y, color=color, label=label,
                             marker="o" if col == "accuracy" else None, markersize=3, linewidth=1.2)
                     drawn = True
                 _mark_events(ax, run, color, x, label_kinds=(row == 0))
-            ax.set_xlabel("step" if x == "step" else "time since start (s)")
+            ax.set_xlabel("step" if x == "step" else "time since step 1 (s)")
+            if x == "time":
+                ax.set_xlim(left=0)  # time axes start at the first step
             ax.set_ylabel(title + (" (%)" if col == "accuracy" else ""))
             ax.set_title(f"{title} against {x}")
             ax.grid(alpha=0.3)
@@ -493,8 +544,17 @@ def _plot_ranks(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
             left.plot(_float(cols["step"]), step_s, color=cmap(rank % 10), linestyle=_LINESTYLES[i % 4],
                       linewidth=1, label=_rank_label(label, rank, role_of.get(rank, ""), several))
         _mark_events(left, run, "black", "step", label_kinds=not several)
+    # log scale: the first step (start-up, first allocations) is many times the others
+    # and would flatten every later step into one line
+    if left.lines:
+        left.set_yscale("log")
+    idle = [f"{label + ': ' if several else ''}rank {r}" + (f" ({roles(run)[r]})" if r in roles(run) else "")
+            for run, label in zip(runs, labels, strict=True) for r in idle_ranks(run)]
+    if idle:
+        left.text(0.01, 0.02, "idle, no step rows: " + ", ".join(idle), transform=left.transAxes,
+                  fontsize=7, va="bottom")
     left.set_xlabel("step")
-    left.set_ylabel("step time per rank: compute + wait (s)")
+    left.set_ylabel("step time per rank: compute + wait (s, log scale)")
     left.set_title("per-rank step time (lower is faster)")
     left.grid(alpha=0.3)
     if left.lines:
@@ -513,10 +573,13 @@ def _plot_ranks(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
         right.bar(x, np.nan_to_num(compute), width, color=color, label=f"{label}: compute" if several else "compute")
         right.bar(x, np.nan_to_num(wait), width, bottom=np.nan_to_num(compute), color=color, alpha=0.35,
                   hatch="//", label=f"{label}: wait" if several else "wait")
+        for r in idle_ranks(run):
+            xr = r + (i - (len(runs) - 1) / 2) * width
+            right.text(xr, 0, "idle", ha="center", va="bottom", fontsize=7, rotation=90 if several else 0)
     right.set_xlabel("rank")
     right.set_ylabel("mean seconds per step")
-    right.set_title("where each rank's time goes")
-    all_ranks = sorted({r for run in runs for r in run.ranks})
+    right.set_title("where each rank's time goes (idle: a backup that ran no step)")
+    all_ranks = sorted({r for run in runs for r in run.ranks} | {r for run in runs for r in idle_ranks(run)})
     right.set_xticks(all_ranks)
     right.grid(alpha=0.3, axis="y")
     if all_ranks:
@@ -538,7 +601,7 @@ def _plot_stannis(runs: Sequence[RunData], labels: list[str], path: Path) -> Pat
         for rank, cols in run.ranks.items():
             if "batch_size" not in cols or not len(cols["step"]):
                 continue
-            t = _rank_time(run, cols)
+            t = _rank_time(run, cols) - first_step_time(run)
             batch = _float(cols["batch_size"])
             compute = _float(cols["compute_s"])
             style = {"color": cmap(rank % 10), "linestyle": _LINESTYLES[i % 4], "linewidth": 1.2,
@@ -561,7 +624,8 @@ def _plot_stannis(runs: Sequence[RunData], labels: list[str], path: Path) -> Pat
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         else:
             ax.text(0.5, 0.5, "not recorded", transform=ax.transAxes, ha="center", va="center")
-    axes[-1].set_xlabel("time since start (s)")
+    axes[-1].set_xlabel("time since step 1 (s)")
+    axes[-1].set_xlim(left=0)
     return _save(fig, path)
 
 
@@ -610,23 +674,55 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "report", help="summarise run logs and plot them",
         description="Summarise HDF5 run logs in the terminal and write PNG plots: loss, accuracy and "
                     "samples/s against step and time with events marked, per-rank step time split into "
-                    "compute and waiting, and for stannis per-rank batch size and samples per joule.",
+                    "compute and waiting, and for stannis per-rank batch size and samples per joule. "
+                    f"{THROUGHPUT}. A log may be read while its run still writes it.",
     ))
 
 
+class _Stdout:
+    """Standard output that goes quiet when the reader leaves (``report X.h5 | head -1``):
+    the rest of the report (the plots) is still made, and no BrokenPipeError is printed."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.closed = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.closed:
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except BrokenPipeError:
+                self.closed = True
+                try:  # Python flushes stdout at exit: point it at /dev/null first
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, self.stream.fileno())
+                    os.close(devnull)
+                except (OSError, ValueError, AttributeError):
+                    pass
+        return len(text)
+
+    def flush(self) -> None:
+        self.write("")
+
+
 def run_report(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """Body of ``report``: 0 when every log was reported, 2 when one could not be read."""
-    stdout = stdout or sys.stdout
+    """Body of ``report``: 0 when every log was reported, 2 when one could not be read.
+
+    A log that cannot be read gets one error line naming it; the others are reported
+    all the same, and the exit status says that one failed.
+    """
+    stdout = _Stdout(stdout or sys.stdout)  # type: ignore[assignment]
     stderr = stderr or sys.stderr
     runs, failed = [], False
     for path in args.logs:
         try:
             runs.append(load_run(path))
         except LogError as e:
-            print(f"{PROG}: error: {e}", file=stderr)
+            print(f"{PROG}: error: {e}", file=stderr, flush=True)
             failed = True
-    if failed:
+    if not runs:
         return 2
+    status = 2 if failed else 0
     out = Path(args.out) if args.out else runs[0].path.parent
     if not args.no_plots:
         try:  # before any output, so that a bad --out is one error line and nothing else
@@ -647,7 +743,7 @@ def run_report(args: argparse.Namespace, stdout: TextIO | None = None, stderr: T
             print(f"{PROG}: error: cannot write plots to {out}: {_one_line(str(e))}", file=stderr)
             return 2
         print("plots: " + ", ".join(str(p) for p in paths), file=stdout)
-    return 0
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

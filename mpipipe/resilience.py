@@ -46,6 +46,7 @@ from .data import DataFault
 from .inject import Fault, FaultPlan
 from .lr import set_rate_for_step
 from .pipeline import SHADOW_GRAD_MICRO, Have, Pipeline, Route, stage_consumers
+from .progress import throughput
 from .replica import pack_state, replica_numel, unpack_state
 from .runlog import LogError
 from .stop import ControlStop, StopRun
@@ -483,7 +484,10 @@ class ResPipe:
         return s.deadline_s
 
     def _say(self, text: str) -> None:
-        print(f"mpipipe: rank {self.wrank}: {text}", file=self.out, flush=True)
+        """A rank's own note, for debugging rounds (MPIPIPE_DEBUG_ROUNDS=1); what users see
+        is printed once, by the log writer, from the events (mpipipe.progress.event_line)."""
+        if _DEBUG:
+            print(f"mpipipe: rank {self.wrank}: {text}", file=self.out, flush=True)
 
     def _params(self, stage: int) -> list[nn.Parameter]:
         return list(self.pipe.partitions[stage].parameters())
@@ -570,6 +574,8 @@ class ResPipe:
             t = detail.pop("at", None)
             self.log.event(kind, step=step, rank=rank, time=None if t is None else self._rel(t),
                            **detail)
+            if self.progress is not None and self.log.active:  # once: by the log writer
+                self.progress.event(kind, step=step, rank=rank, **detail)
 
     # -- the training loop -----------------------------------------------------------
     def train(self, total_steps: int, eval_every: int = 0) -> dict[str, Any]:
@@ -931,11 +937,12 @@ class ResPipe:
             statistics.median(self.step_times) if self.step_times else math.nan)
         rate = row.samples / dt if dt > 0 else math.nan
         self.last_loss = row.loss
+        at = self._rel(row.time)
         if self.log is not None:
-            self.log.step(s + 1, time=self._rel(row.time), loss=row.loss, samples=row.samples,
+            self.log.step(s + 1, time=at, loss=row.loss, samples=row.samples,
                           samples_per_s=rate, ranks=row.ranks)
         if self.progress is not None:
-            self.progress.update(s + 1, loss=row.loss, samples_per_s=rate)
+            self.progress.update(s + 1, loss=row.loss, samples=row.samples, time=at)
 
     def _close_open_events(self, t_done: float) -> None:
         for ev in self.open_events:
@@ -976,6 +983,8 @@ class ResPipe:
         self.last_eval = acc
         if self.log is not None and self.log.active:
             self.log.eval(step, time=self._rel(at or time.time()), accuracy=acc)
+            if self.progress is not None:
+                self.progress.evaluation(step, acc)
 
     def _log_cost_model(self) -> None:
         try:
@@ -1435,19 +1444,10 @@ class ResPipe:
                                 detected_after_s=detected_after,
                                 agreement_s=t_comm - d["t_detect"], mode=self.settings.mode)
                 self.open_events.append(ev)
-                if self.progress is not None:
-                    self.progress.message(
-                        f"takeover: stage {k} ({d['reason']} rank {stage_before[k]}) now served "
-                        f"by rank {w_new}, generation {self.gen}, " + (
-                            "finishing the step in flight (no replay)" if go_on
-                            else f"replaying step {P + 1}"))
         self.takeovers += len(lost_stages)
         if d["admit"] >= 0 and self.is_logger:
             self._log_event("rejoined", P, d["admit"], stage=d["admit_stage"],
                             generation=self.gen, after_s=t_comm - d["waited_s"])
-            if self.progress is not None:
-                self.progress.message(f"rank {d['admit']} rejoined as a backup of stage "
-                                      f"{d['admit_stage']}, generation {self.gen}")
         if go_on:
             self._go_on()
         else:
@@ -1492,9 +1492,6 @@ class ResPipe:
             self._rebuilt[s] = senders
         self._log_event("log_writer_moved", P, self.wrank, previous=old,
                         why="the previous writer left the job (failed or replaced)")
-        if self.progress is not None:
-            self.progress.message(f"rank {self.wrank} writes the log now (rank {old} left "
-                                  "the job)")
 
     def _leave_log(self, generation: int) -> None:
         """A writer replaced at ``generation`` lets go of the file and tells the job (the
@@ -1790,7 +1787,6 @@ def train(run: Any) -> int:
     except checkpoint.CheckpointError as e:  # a backup's (a stage's failed in setup)
         error = str(e)
     plain.agree(run, error)
-    t0 = time.perf_counter()
     try:
         result = rp.train(s.total_steps, cfg["run"]["eval_every"])
     except StageLost as e:
@@ -1823,13 +1819,14 @@ def train(run: Any) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    elapsed = time.perf_counter() - t0
     code = 0
     if log.active:
-        batch = cfg["data"]["batch_size"]
         summary = {
             "steps": result["steps"],
-            "samples_per_s": result["steps"] * batch / elapsed if elapsed > 0 else math.nan,
+            # the file's rows: a writer that took over has not seen the first ones itself
+            # (its own rows only if the file is not open yet: the old writer holds it)
+            "samples_per_s": throughput(log.written("time"), log.written("samples"))
+            if len(log.written("time")) else progress.samples_per_s,
             "final_loss": result["loss"],
             "test_accuracy": result["accuracy"],
             "takeovers": result["takeovers"],

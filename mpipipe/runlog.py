@@ -32,7 +32,8 @@ from typing import Any, TypeVar
 import h5py
 import numpy as np
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_log", "package_versions"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_log", "open_for_reading",
+           "package_versions"]
 
 FORMAT = "mpipipe-runlog"
 FORMAT_VERSION = 1
@@ -457,6 +458,13 @@ class RunLog:
         self._file.attrs[key] = value if isinstance(value, str | int | float) else json.dumps(value, default=_jsonable)
         self._file.flush()
 
+    def written(self, name: str, group: str = "steps") -> np.ndarray:
+        """Column ``/<group>/<name>`` as this writer's file holds it now (empty where this
+        rank's file is not open): rows another writer wrote before this one took over too."""
+        if self._file is None or name not in self._file[group]:
+            return np.array([])
+        return self._file[group][name][()]
+
     def close(self, status: str = "completed", wait_s: float = 30.0) -> str:
         """Mark the run finished (``completed`` or ``failed: why``) and close the file.
 
@@ -553,6 +561,18 @@ def _columns(group: h5py.Group, where: str) -> dict[str, np.ndarray]:
     return cols
 
 
+def open_for_reading(path: Path) -> h5py.File:
+    """Open a log read-only without HDF5's file lock, so that a log can be read while its
+    run writes it (docs/hdf5-log.md). A process that has the file open already (its own
+    writer) must open it with the lock setting it used: HDF5 shares the open file."""
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as e:
+        if "locking flag" not in str(e):
+            raise
+        return h5py.File(path, "r")
+
+
 def open_log(path: str | Path) -> RunData:
     """Read a run log written by :class:`RunLog`.
 
@@ -564,7 +584,7 @@ def open_log(path: str | Path) -> RunData:
     if not p.exists():
         raise LogError(f"{p}: no such file")
     try:
-        f = h5py.File(p, "r")
+        f = open_for_reading(p)
     except OSError as e:
         raise LogError(f"{p}: not a readable HDF5 file ({e})") from None
     with f:

@@ -363,7 +363,6 @@ def train(run: Run) -> int:
     loss = math.nan
     accuracy = math.nan
     accuracy_step = -1
-    train_s = 0.0
     t_prev = time.perf_counter()
     step = s.start_step
     for step in range(s.start_step, s.total_steps):
@@ -379,18 +378,18 @@ def train(run: Run) -> int:
         gathered = gather_figures(comm, figures)
         now = time.perf_counter()
         dt, t_prev = now - t_prev, now
-        train_s += dt
         if gathered is not None:
             losses = [f.pop("loss") for f in gathered.values() if "loss" in f]
             loss = losses[0] if losses else math.nan
             sps = batch / dt if dt > 0 else math.nan
-            log.step(step + 1, loss=loss, samples=batch, samples_per_s=sps, ranks=gathered)
-            progress.update(step + 1, loss=loss, samples_per_s=sps)
+            at = log.elapsed()  # the row's time, shown by progress as the log has it
+            log.step(step + 1, time=at, loss=loss, samples=batch, samples_per_s=sps, ranks=gathered)
+            progress.update(step + 1, loss=loss, samples=batch, time=at)
         done = step + 1
         if (eval_every and done % eval_every == 0) or done == s.total_steps:
             accuracy, accuracy_step = evaluate(s), done
             log.eval(done, accuracy=accuracy)
-            progress.message(f"step {done}: test accuracy {accuracy:.4f}")
+            progress.evaluation(done, accuracy)
             t_prev = time.perf_counter()
         if s.checkpoint_dir is not None and (
                 (ckpt_every and done % ckpt_every == 0) or done == s.total_steps):
@@ -398,10 +397,9 @@ def train(run: Run) -> int:
             t_prev = time.perf_counter()
     if accuracy_step != s.total_steps:
         accuracy = evaluate(s)
-    steps_run = s.total_steps - s.start_step
     summary = {
         "steps": s.total_steps,
-        "samples_per_s": steps_run * batch / train_s if train_s > 0 else math.nan,
+        "samples_per_s": progress.samples_per_s,  # mpipipe.progress.throughput of the log's rows
         "final_loss": loss,
         "test_accuracy": accuracy,
         "log": str(log.path) if log.active else "",

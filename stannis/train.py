@@ -619,7 +619,7 @@ class Trainer:
         sps = total_b / wall if wall > 0 else math.nan
         self._pending = {"step": self.step, "time": self.log.elapsed(), "loss": loss,
                          "samples": total_b, "samples_per_s": sps, "ranks": now}
-        self.run.progress.update(self.step, loss=loss, samples_per_s=sps)
+        self.run.progress.update(self.step, loss=loss, samples=total_b, time=self._pending["time"])
         self.last_loss = loss
         self.history.append((self.step, total_b, time.perf_counter()))
 
@@ -673,7 +673,7 @@ class Trainer:
         self.model.train()
         accuracy = correct / max(count, 1)
         self.log.eval(self.step, accuracy=accuracy, loss=loss / max(count, 1))
-        self.run.progress.message(f"step {self.step}: test accuracy {accuracy:.4f}")
+        self.run.progress.evaluation(self.step, accuracy)
         return accuracy
 
     def _summary(self, accuracy: float) -> None:
@@ -692,7 +692,7 @@ class Trainer:
         joules = sum(t["joules"] for t in self.totals.values()) if len(sources) == 1 else math.nan
         summary = {
             "steps": self.step, "samples": samples, "seconds": elapsed,
-            "samples_per_s": samples / elapsed if elapsed else 0.0, "energy_sources": sources,
+            "samples_per_s": self.run.progress.samples_per_s, "energy_sources": sources,  # throughput: mpipipe.progress
             "joules": joules, "samples_per_joule": samples / joules if joules else 0.0,
             "accuracy": accuracy, "loss": getattr(self, "last_loss", math.nan),
             "final_batches": dict(zip(self.members, self.batches, strict=True)),

@@ -259,8 +259,19 @@ def test_hdf5_file_cut_in_half(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 @pytest.mark.timeout(60)
 def test_one_bad_log_among_good_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The good logs are still reported; each bad one gets one line naming it; exit status 2."""
     good = pipeline_log(tmp_path / "good.h5", steps=3)
-    _expect_error([str(good), str(tmp_path / "gone.h5")], capsys, "gone.h5")
+    other = stannis_log(tmp_path / "other.h5", steps=4)
+    junk = tmp_path / "junk.h5"
+    junk.write_bytes(b"\x00" * 100)
+    code, out, err = run_main([str(good), str(tmp_path / "gone.h5"), str(other), str(junk), "--no-plots"],
+                              capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, err
+    assert "gone.h5" in lines[0] and "junk.h5" in lines[1], err
+    assert f"== {good}" in out and f"== {other}" in out and "comparison" in out
+    assert "Traceback" not in err
 
 
 # ---------------------------------------------------------------- end to end
@@ -331,3 +342,136 @@ def test_many_events_are_counted_not_listed(tmp_path: Path, capsys: pytest.Captu
     assert out.count("fault_injected") == 1
     assert "takeover" in out and "recovery 0.250 s" in out
     assert_png(tmp_path / "delays-training.png")
+
+
+# ---------------------------------------------------------------- closed pipe, live logs
+
+
+@pytest.mark.timeout(150)
+def test_closed_pipe_is_quiet_and_plots_are_still_made(tmp_path: Path) -> None:
+    """`report X.h5 | head -1`: the reader leaves before the report prints anything."""
+    log = pipeline_log(tmp_path / "piped.h5")
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
+    job = subprocess.Popen([sys.executable, "-m", "mpipipe", "report", str(log), str(log), "--out",
+                            str(tmp_path / "out")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    job.stdout.close()  # closed before the first write: every print meets a broken pipe
+    err = job.stderr.read()
+    assert job.wait(120) == 0, err
+    assert err == "", err
+    assert_png(tmp_path / "out" / "piped+piped-training.png")
+    shell = subprocess.run(f"{sys.executable} -m mpipipe report --no-plots {log} {log} | head -1",
+                           shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert shell.stdout.startswith("== ") and shell.stdout.count("\n") == 1, shell.stdout
+    assert shell.stderr == "", shell.stderr
+
+
+WRITER = """
+import sys, time
+from mpipipe.runlog import RunLog
+log = RunLog(sys.argv[1], system="mpipipe", config={}, comm_size=2, attrs={"plan": "0=stage 0, 1=stage 1"})
+step = 0
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    step += 1
+    log.step(step, loss=1.0 / step, samples=8, samples_per_s=80.0,
+             ranks={r: {"compute_s": 0.01, "wait_s": 0.01, "bytes_sent": 1, "bytes_recv": 1} for r in (0, 1)})
+    if step % 5 == 0:
+        log.event("replica", step=step, rank=1, bytes=10)
+    if step == 3:
+        print("ready", flush=True)
+    time.sleep(0.005)
+log.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_reads_a_log_while_its_run_writes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A writer process holds the log open (and HDF5's lock) and appends rows as fast as it can;
+    the report reads it again and again meanwhile, always up to a consistent last row."""
+    path = tmp_path / "live.h5"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "20"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready", writer.stderr.read()
+        seen = []
+        while writer.poll() is None and len(seen) < 15:
+            run = report.load_run(path)
+            steps = run.steps["step"]
+            assert list(steps) == list(range(1, len(steps) + 1))  # no torn or missing row
+            assert all(len(c["step"]) >= len(steps) - 1 for c in run.ranks.values())
+            seen.append((str(run.attrs["status"]), len(steps)))
+        assert len(seen) >= 5, seen
+        assert all(status == "running" for status, _ in seen)
+        assert seen[-1][1] > seen[0][1]  # it was appending while we read
+        code, out, err = run_main([str(path), "--no-plots"], capsys)
+        assert code == 0, err
+        assert "the run did not finish (killed, or still going)" in out or "status: completed" in out
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+# ---------------------------------------------------------------- one throughput, plots
+
+
+def test_throughput_is_the_same_figure_in_progress_and_report(tmp_path: Path) -> None:
+    from mpipipe.progress import Progress, throughput
+
+    run = report.load_run(pipeline_log(tmp_path / "t.h5"))
+    progress = Progress(30, enabled=False)
+    for step, t, n in zip(run.steps["step"], run.steps["time"], run.steps["samples"], strict=True):
+        progress.update(int(step), loss=1.0, samples=int(n), time=float(t))
+    expected = 64 * 29 / (run.steps["time"][-1] - run.steps["time"][0])  # steps 2..30 over step 1..30
+    assert report.throughput(run) == pytest.approx(expected, rel=1e-12)
+    assert progress.samples_per_s == pytest.approx(expected, rel=1e-12)
+    assert math.isnan(throughput([1.0], [64]))  # one step: no figure rather than a different one
+
+
+def test_event_labels_never_overlap_and_cost_model_is_not_a_fault(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "ev.h5"
+    log = RunLog(path, system="mpipipe", config={}, comm_size=3, attrs={"plan": "0=stage 0, 1=stage 1, 2=backup 1"})
+    log.event("cost_model", step=0, rank=-1, time=0.5, bytes_per_step=1.0)
+    for step in range(1, 101):
+        log.step(step, time=1.0 + step * 0.1, loss=1.0, samples=8, samples_per_s=80.0,
+                 ranks={r: {"compute_s": 0.05, "wait_s": 0.05, "bytes_sent": 1, "bytes_recv": 1} for r in (0, 1)})
+    for kind, t in (("fault_injected", 5.0), ("failure_detected", 5.05), ("takeover", 5.1),
+                    ("takeover_recovered", 5.2)):
+        log.event(kind, step=40, rank=1, time=t)
+    log.event("fault_injected", step=90, rank=1, time=10.0)
+    log.close()
+    run = report.load_run(path)
+    for x in ("step", "time"):
+        fig, ax = plt.subplots()
+        report._mark_events(ax, run, "black", x, label_kinds=True)
+        texts = [t.get_text().strip() for t in ax.texts]
+        lines = [line.get_xdata()[0] for line in ax.lines]
+        plt.close(fig)
+        assert len(texts) == 2, texts  # four events close together share one label
+        assert "cost_model" not in " ".join(texts) and 0 not in lines
+        assert texts[0] == "fault, detected, takeover, recovered", texts
+        if x == "time":  # time counts from the first step (t = 1.1)
+            assert min(lines) == pytest.approx(5.0 - 1.1)
+
+
+def test_idle_backups_appear_in_the_table(tmp_path: Path) -> None:
+    run = report.load_run(pipeline_log(tmp_path / "idle.h5", failover=False))
+    assert report.idle_ranks(run) == []  # the backup ran steps here (it recorded rows)
+    path = tmp_path / "idle2.h5"
+    log = RunLog(path, system="mpipipe", config={}, comm_size=3, attrs={"plan": "0=stage 0, 1=stage 1, 2=backup 0"})
+    for step in range(1, 4):
+        log.step(step, time=step * 0.1, loss=1.0, samples=8, samples_per_s=80.0,
+                 ranks={r: {"compute_s": 0.05, "wait_s": 0.05, "bytes_sent": 1, "bytes_recv": 1} for r in (0, 1)})
+    log.close()
+    run = report.load_run(path)
+    assert report.idle_ranks(run) == [2]
+    row = next(line for line in report.summarize(run).splitlines() if line.strip().startswith("2 "))
+    assert "backup 0" in row and "idle" in row
+    paths = report.plot_runs([run], tmp_path / "plots")
+    assert_png(paths[1])
