@@ -8,7 +8,8 @@
 # --testbed FILE runs the ranks across the emulated nodes of a testbed file (needs root;
 # see docs/testbed.md): they fill the nodes' slots in file order. The testbed is brought
 # up for the run and taken down after it, unless exactly that testbed is up already.
-# The HDF5 log goes to runs/local-<time>/<system>.h5. The environment is the
+# Ctrl-C or SIGTERM to this script stops the run cleanly at a step boundary (not under
+# --testbed). The HDF5 log goes to runs/local-<time>/<system>.h5. The environment is the
 # project's .venv, or the virtual environment named by MPIPIPE_VENV. More
 # ranks than cores are fine: each rank gets one thread and waiting ranks yield.
 set -euo pipefail
@@ -68,6 +69,20 @@ if [[ -n $TESTBED ]]; then
 fi
 
 echo "$SYSTEM: $RANKS ranks, config $CONFIG, log $RUN_DIR/$SYSTEM.h5${TESTBED:+, testbed $TESTBED}"
-exec "${WRAP[@]}" "$VENV/bin/mpirun" "${FT[@]}" "${PLACE[@]}" -n "$RANKS" \
-    "$VENV/bin/python" -m "$MODULE" train --config "$CONFIG" \
-    --log "$RUN_DIR/$SYSTEM.h5" "$@"
+CMD=("$VENV/bin/mpirun" "${FT[@]}" "${PLACE[@]}" -n "$RANKS"
+     "$VENV/bin/python" -m "$MODULE" train --config "$CONFIG" --log "$RUN_DIR/$SYSTEM.h5" "$@")
+if [[ -n $TESTBED ]]; then
+    exec "${WRAP[@]}" "${CMD[@]}"
+fi
+# Ctrl-C or SIGTERM stops the run at the next step boundary, with a checkpoint
+# (run.checkpoint_dir) and the command that resumes it: this shell turns either into
+# SIGUSR1, which mpirun forwards to every rank and lives through. mpirun runs in a
+# session of its own so that the terminal's Ctrl-C reaches this shell only (Open MPI 5
+# kills the ranks within half a second of a SIGINT or SIGTERM of its own).
+setsid "${CMD[@]}" &
+MPIRUN=$!
+trap 'kill -USR1 "$MPIRUN" 2>/dev/null || true' TERM INT
+while kill -0 "$MPIRUN" 2>/dev/null; do wait "$MPIRUN" || true; done
+rc=0
+wait "$MPIRUN" || rc=$?
+exit "$rc"
