@@ -17,7 +17,7 @@ def _summary(sources: dict[int, str]) -> dict:
                 1: {"samples": 100, "joules": 20.0, "busy_s": 1.0}},
         sources=sources, last_loss=1.0, reducer=SimpleNamespace(payload_bytes=4),
         log=SimpleNamespace(set_attr=lambda key, value: written.update({key: value})),
-        run=SimpleNamespace(progress=SimpleNamespace(summary=lambda **kw: None),
+        run=SimpleNamespace(progress=SimpleNamespace(summary=lambda **kw: None, samples_per_s=10.0),
                             log=SimpleNamespace(path="x.h5")))
     Trainer._summary(fake, 0.5)
     return written["summary"]

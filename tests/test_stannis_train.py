@@ -110,9 +110,10 @@ def test_csds_send_only_gradients_and_control(tuned_and_equal) -> None:
         sent = tuned.ranks[r]["bytes_sent"]
         assert len(sent) == len(tuned.steps["step"])
         assert (sent == grad_bytes + control_bytes).all(), (r, set(sent.tolist()))
-        # MPI's own count, under every communicator: the allreduce's payload for each
-        # of the 4 others (Open MPI counts a gather at its root), and nothing unaudited
-        assert (tuned.ranks[r]["mpi_bytes"] == 4 * grad_bytes).all(), r
+        # MPI's own count, under every communicator: the allreduces' payload (gradients
+        # and the 8-byte stop code) for each of the 4 others (Open MPI counts a gather at
+        # its root), and nothing unaudited
+        assert (tuned.ranks[r]["mpi_bytes"] == 4 * (grad_bytes + 8)).all(), r
     for r in range(5):
         assert (tuned.ranks[r]["unaudited_bytes"] == 0).all(), r
     assert tuned.events_of("unaudited_traffic") == []
