@@ -72,7 +72,9 @@ class Fault:
     (its ranks and Open MPI's daemon: the whole node dies), from its cgroup.
     ``partition``: at the start of ``step``, take node ``node``'s link down for ``seconds``
     (default 10): its ranks live on but nobody reaches them, so only a deadline finds
-    them; the link then comes back, so that they learn they were replaced and leave.
+    them. Then the node's processes end as in a node-kill and its link comes back: the
+    node never rejoins (mpirun could not end the job while a rank is unreachable, and a
+    rank back on the link may have lost the messages that told it it was replaced).
     Both are fired by the lowest rank on the node (:func:`firing_rank`).
     Steps are 0-based optimizer steps.
     """
@@ -319,8 +321,8 @@ def _daemons(pids: set[int]) -> set[int]:
 
 
 def kill_node(node: str) -> None:
-    """SIGKILL every process of testbed node ``node`` but Open MPI's daemon, this one last
-    if it runs there. Does not return when called from inside the node.
+    """SIGKILL every process of testbed node ``node`` but Open MPI's daemon and this one
+    (the caller, which fires the fault, ends itself afterwards).
 
     Every process started on a node joined its cgroup (jobs/testbed/rsh-agent), so the
     cgroup lists them all. The daemon (``prted``) is spared: Open MPI 5's runtime cannot
@@ -342,8 +344,6 @@ def kill_node(node: str) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.01)
-    if str(me) in procs.read_text().split():
-        os.kill(me, signal.SIGKILL)
 
 
 def set_link(node: str, up: bool) -> None:
@@ -415,15 +415,15 @@ class FaultPlan:
                     self.on_fire(f, step, {"seconds": f.seconds})
                 if self.dry:
                     continue
-                if f.kind == "node-kill":
-                    kill_node(f.node)
-                    continue  # only reached when this process is not on the node
-                set_link(f.node, up=False)
-                try:
+                if f.kind == "partition":
+                    set_link(f.node, up=False)
                     self._sleep(f.seconds)  # alive but unreachable, as a stalled rank
-                finally:
-                    set_link(f.node, up=True)
-                slept += f.seconds
+                    slept += f.seconds
+                kill_node(f.node)  # the node's other processes; then this one
+                if f.kind == "partition":
+                    set_link(f.node, up=True)  # for the next job: the node is empty now
+                self._kill()
+                return slept  # only reached when kill is replaced in tests
             elif f.kind in ("kill", "stall") and f.step == step and f.micro == micro \
                     and (i, step) not in self._fired:
                 self._fired.add((i, step))
