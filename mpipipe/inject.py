@@ -89,11 +89,11 @@ class Fault:
     micro: int = -1  # kill, stall: -1 = at the start of the step
     node: str | None = None  # node-kill, partition: the testbed node's name (no mpt- prefix)
 
-    def targets(self, *, stage: int | None, rank: int) -> bool:
+    def targets(self, *, stage: int | None, rank: int, hosts: Sequence[str] | None = None) -> bool:
         """True if this fault is aimed at the process playing ``stage`` on world ``rank``
         (a node fault: if ``rank`` is the one that fires it, :func:`firing_rank`)."""
         if self.node is not None:
-            return rank == firing_rank(self.node)
+            return rank == firing_rank(self.node, hosts)
         if self.rank is not None:
             return self.rank == rank
         return stage is not None and self.stage == stage
@@ -379,9 +379,11 @@ class FaultPlan:
         sleep: Callable[[float], None] = time.sleep,
         kill: Callable[[], None] | None = None,
         dry: bool = False,
+        hosts: Sequence[str] | None = None,
     ) -> None:
         self.all = list(faults)
-        self.mine = [f for f in self.all if f.targets(stage=stage, rank=rank)]
+        # hosts: every rank's host (node faults), default the ones recorded at start-up
+        self.mine = [f for f in self.all if f.targets(stage=stage, rank=rank, hosts=hosts)]
         self.seed = int(seed)
         self.stage = stage
         self.rank = rank
