@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mpipipe import testbed
-from mpipipe.launch import ROOT, run_mpi
+from mpipipe.launch import run_mpi
 from mpipipe.runlog import open_log
 
 # Ranks fill slots in file order: stage 0 (rank 0) on a, stage 1 (rank 1) on b, stage 2
@@ -38,14 +38,13 @@ slots = 2
 cpu = 0.5
 link_mbit = 1000
 """
-CONFIG = ROOT / "jobs" / "configs" / "respipe-digits.toml"
 STEPS, BATCH = 20, 32
 R1 = ("resilience.backups={1 = 1}", "resilience.replicate_every=1")
 HOSTS = ["mpt-a", "mpt-b", "mpt-c", "mpt-c"]
 
 
 @pytest.fixture(scope="module")
-def runs(bed: testbed.Testbed, digits: Path, tmp_path_factory: pytest.TempPathFactory):
+def runs(bed: testbed.Testbed, respipe_args, tmp_path_factory: pytest.TempPathFactory):
     """run(name, *settings, ulfm=..., on_testbed=...) -> (CompletedProcess, log, checkpoints)."""
     base = tmp_path_factory.mktemp("nodefaults")
 
@@ -53,12 +52,7 @@ def runs(bed: testbed.Testbed, digits: Path, tmp_path_factory: pytest.TempPathFa
     def run(name: str, *settings: str, ulfm: bool = True, on_testbed: bool = True,
             timeout: float = 300) -> tuple[subprocess.CompletedProcess, Path, Path]:
         log = base / f"{name}.h5"
-        cmd = ["-m", "mpipipe", "train", "--quiet", "--config", str(CONFIG),
-               "--set", f'data.path="{digits}"', "--set", f"run.steps={STEPS}",
-               "--set", "run.eval_every=0", "--set", f"run.checkpoint_every={STEPS}",
-               "--set", f"data.batch_size={BATCH}", "--log", str(log)]
-        for s in settings:
-            cmd += ["--inject", s[len("inject:"):]] if s.startswith("inject:") else ["--set", s]
+        cmd = respipe_args(log, *settings, steps=STEPS, batch=BATCH)
         result = run_mpi(4, cmd, ulfm=ulfm, timeout=timeout, testbed=bed if on_testbed else None)
         return result, log, base / f"{name}-ckpt"
 
