@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .roles import LaunchPlan
 
 __all__ = ["Fault", "FaultError", "FaultPlan", "parse", "parse_all", "check_reachable", "check_nodes",
-           "firing_rank", "KINDS", "NODE_KINDS"]
+           "firing_rank", "kill_node", "set_link", "KINDS", "NODE_KINDS"]
 
 KINDS = ("kill", "stall", "delay", "slow", "node-kill", "partition")
 # Faults aimed at a testbed node (node=NAME) rather than a stage or a rank.
@@ -69,7 +69,7 @@ class Fault:
     delayed again).
     ``slow``: from ``step`` on the target's compute takes ``factor`` times longer.
     ``node-kill``: at the start of ``step``, SIGKILL every process of testbed node ``node``
-    (its ranks and Open MPI's daemon: the whole node dies), from its cgroup.
+    from its cgroup, all its ranks at once (Open MPI's daemon is spared: :func:`kill_node`).
     ``partition``: at the start of ``step``, take node ``node``'s link down for ``seconds``
     (default 10): its ranks live on but nobody reaches them, so only a deadline finds
     them. Then the node's processes end as in a node-kill and its link comes back: the
