@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, load_config
-from .inject import FaultError, check_reachable, parse_all
+from .inject import FaultError, check_nodes, check_reachable, parse_all
 from .placement import check_placement
 from .progress import Progress, startup_line
 from .roles import LaunchPlan, PlanError, check_world_size, fail_fast
@@ -55,7 +55,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="inject a fault (repeatable): kill:stage=K:step=S[:micro=M], "
              "stall:stage=K:step=S[:micro=M][:seconds=T], delay:stage=K:p=P:seconds=T, "
              "slow:rank=R:step=S:factor=F (micro=M: inside step S, after the forward of "
-             "micro-batch M)",
+             "micro-batch M); on a testbed: node-kill:node=N:step=S (every process of node N), "
+             "partition:node=N:step=S[:seconds=T] (node N's link down for T s, default 10)",
     )
     parser.add_argument("--resume", metavar="DIR",
                         help="continue from the checkpoints in DIR; an existing --log is the "
@@ -176,11 +177,13 @@ def start_run(
         check_faults(cfg, plan, list(cfg[section][key]), total)
     except (ConfigError, PlanError, FaultError) as e:
         fail_fast(comm, e, prog, rank)
-    # Each rank's node: a replica on the node of what it guards is refused (placement.py).
+    # Each rank's node: a replica on the node of what it guards is refused (placement.py),
+    # and a node fault must name a testbed node some rank runs on (inject.check_nodes).
     hosts = comm.allgather(socket.gethostname())
     try:
         check_placement(plan, hosts, cfg.get("resilience", {}))
-    except PlanError as e:
+        check_nodes(parse_all(cfg[section][key]), hosts)
+    except (PlanError, FaultError) as e:
         fail_fast(comm, e, prog, rank)
 
     # The writer decides about the file (it may be the only rank that sees it), and

@@ -1,12 +1,21 @@
-"""Fault injection: parse ``kill``/``stall``/``delay``/``slow`` specs and fire them at the right step, seeded."""
+"""Fault injection: parse ``kill``/``stall``/``delay``/``slow`` specs and fire them at the right step, seeded.
+
+Two more kinds act on a whole testbed node (see docs/testbed.md): ``node-kill`` SIGKILLs
+every process of a node, ``partition`` takes its link down. A node is not a rank, so which
+rank fires them is worked out from every rank's host, gathered at start-up
+(:func:`check_nodes` records it): the lowest rank on the node.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,23 +23,33 @@ import numpy as np
 if TYPE_CHECKING:
     from .roles import LaunchPlan
 
-__all__ = ["Fault", "FaultError", "FaultPlan", "parse", "parse_all", "check_reachable", "KINDS"]
+__all__ = ["Fault", "FaultError", "FaultPlan", "parse", "parse_all", "check_reachable", "check_nodes",
+           "firing_rank", "kill_node", "set_link", "KINDS", "NODE_KINDS"]
 
-KINDS = ("kill", "stall", "delay", "slow")
+KINDS = ("kill", "stall", "delay", "slow", "node-kill", "partition")
+# Faults aimed at a testbed node (node=NAME) rather than a stage or a rank.
+NODE_KINDS = ("node-kill", "partition")
 
 # Which keys each kind needs and accepts, with their types; the target is either
 # a stage (pipeline jobs) or a rank (any job), never both.
-_REQUIRED = {"kill": {"step"}, "stall": {"step"}, "delay": {"p", "seconds"}, "slow": {"factor"}}
+_REQUIRED = {"kill": {"step"}, "stall": {"step"}, "delay": {"p", "seconds"}, "slow": {"factor"},
+             "node-kill": {"node", "step"}, "partition": {"node", "step"}}
 _OPTIONAL = {"kill": {"micro"}, "stall": {"seconds", "micro"}, "delay": {"step"},
-             "slow": {"step"}}
+             "slow": {"step"}, "node-kill": set(), "partition": {"seconds"}}
 _INT_KEYS = {"stage", "rank", "step", "micro"}
 _EXAMPLES = {
     "kill": "kill:stage=1:step=20",
     "stall": "stall:stage=1:step=20:seconds=5",
     "delay": "delay:stage=1:p=0.1:seconds=0.5",
     "slow": "slow:rank=2:step=10:factor=3",
+    "node-kill": "node-kill:node=b:step=20",
+    "partition": "partition:node=b:step=20:seconds=10",
 }
 DEFAULT_STALL_S = 5.0
+DEFAULT_PARTITION_S = 10.0
+# A testbed node's name (mpipipe.testbed.NAME_RE), with or without the mpt- prefix.
+_NODE_RE = re.compile(r"^(?:mpt-)?([a-z][a-z0-9]{0,10})$")
+_hosts: tuple[str, ...] | None = None  # every rank's host, recorded by check_nodes
 
 
 class FaultError(ValueError):
@@ -49,6 +68,14 @@ class Fault:
     with probability ``p`` (seeded, so a run is repeatable; a replayed step is not
     delayed again).
     ``slow``: from ``step`` on the target's compute takes ``factor`` times longer.
+    ``node-kill``: at the start of ``step``, SIGKILL every process of testbed node ``node``
+    from its cgroup, all its ranks at once (Open MPI's daemon is spared: :func:`kill_node`).
+    ``partition``: at the start of ``step``, take node ``node``'s link down for ``seconds``
+    (default 10): its ranks live on but nobody reaches them, so only a deadline finds
+    them. Then the node's processes end as in a node-kill and its link comes back: the
+    node never rejoins (mpirun could not end the job while a rank is unreachable, and a
+    rank back on the link may have lost the messages that told it it was replaced).
+    Both are fired by the lowest rank on the node (:func:`firing_rank`).
     Steps are 0-based optimizer steps.
     """
 
@@ -60,14 +87,21 @@ class Fault:
     seconds: float = 0.0
     factor: float = 1.0
     micro: int = -1  # kill, stall: -1 = at the start of the step
+    node: str | None = None  # node-kill, partition: the testbed node's name (no mpt- prefix)
 
-    def targets(self, *, stage: int | None, rank: int) -> bool:
-        """True if this fault is aimed at the process playing ``stage`` on world ``rank``."""
+    def targets(self, *, stage: int | None, rank: int, hosts: Sequence[str] | None = None) -> bool:
+        """True if this fault is aimed at the process playing ``stage`` on world ``rank``
+        (a node fault: if ``rank`` is the one that fires it, :func:`firing_rank`)."""
+        if self.node is not None:
+            return rank == firing_rank(self.node, hosts)
         if self.rank is not None:
             return self.rank == rank
         return stage is not None and self.stage == stage
 
     def __str__(self) -> str:
+        if self.node is not None:
+            extra = f":seconds={self.seconds:g}" if self.kind == "partition" else ""
+            return f"{self.kind}:node={self.node}:step={self.step}{extra}"
         where = f"stage={self.stage}" if self.stage is not None else f"rank={self.rank}"
         at = f":micro={self.micro}" if self.micro >= 0 else ""
         extra = {"kill": f"step={self.step}{at}",
@@ -100,18 +134,25 @@ def parse(spec: str) -> Fault:
         if "=" not in part:
             raise _fail(spec, f"{part!r} is not key=value", kind)
         key, raw = (s.strip().lower() for s in part.split("=", 1))
-        allowed = _REQUIRED[kind] | _OPTIONAL[kind] | {"stage", "rank"}
+        allowed = _REQUIRED[kind] | _OPTIONAL[kind] | (set() if kind in NODE_KINDS else {"stage", "rank"})
         if key not in allowed:
             raise _fail(spec, f"unknown key {key!r} for {kind} (allowed: {', '.join(sorted(allowed))})",
                         kind)
         if key in values:
             raise _fail(spec, f"key {key!r} given twice", kind)
+        if key == "node":
+            match = _NODE_RE.match(raw)
+            if not match:
+                raise _fail(spec, f"node={raw!r} is not a testbed node name (1 to 11 lowercase letters "
+                                  f"or digits starting with a letter, as in the testbed file)", kind)
+            values[key] = match.group(1)  # type: ignore[assignment]
+            continue
         try:
             values[key] = int(raw) if key in _INT_KEYS else float(raw)
         except ValueError:
             what = "an integer" if key in _INT_KEYS else "a number"
             raise _fail(spec, f"{key}={raw!r} is not {what}", kind) from None
-    if ("stage" in values) == ("rank" in values):
+    if kind not in NODE_KINDS and ("stage" in values) == ("rank" in values):
         raise _fail(spec, "name exactly one target, stage=K or rank=R", kind)
     missing = _REQUIRED[kind] - set(values)
     if missing:
@@ -127,6 +168,10 @@ def parse(spec: str) -> Fault:
         raise _fail(spec, "factor must be >= 1 (1 = normal speed)", kind)
     if kind == "stall":
         values.setdefault("seconds", DEFAULT_STALL_S)
+    if kind == "partition":
+        values.setdefault("seconds", DEFAULT_PARTITION_S)
+        if values["seconds"] <= 0:
+            raise _fail(spec, "seconds must be > 0 (how long the link stays down)", kind)
     return Fault(kind=kind, **{k: v for k, v in values.items()})  # type: ignore[arg-type]
 
 
@@ -136,7 +181,9 @@ def parse_all(specs: Iterable[str]) -> list[Fault]:
 
 
 def _target_rank(f: Fault, plan: LaunchPlan) -> int | None:
-    """The world rank a fault hits at launch (None: a stage the plan does not have)."""
+    """The world rank a fault hits at launch (None: a stage the plan does not have, or a node)."""
+    if f.node is not None:
+        return None
     if f.rank is not None:
         return f.rank
     ranks = plan.ranks_of("stage", f.stage)
@@ -171,7 +218,7 @@ def check_reachable(faults: Sequence[Fault], plan: LaunchPlan, *, steps: int | N
             have = f"stages 0..{stages[-1]}" if stages else "no stages"
             raise _never(f, f"stage {f.stage} does not exist (the plan has {have})")
         if steps is not None and f.step >= steps:
-            what = "is due at" if f.kind in ("kill", "stall") else "starts at"
+            what = "starts at" if f.kind in ("delay", "slow") else "is due at"
             raise _never(f, f"it {what} step {f.step}, beyond the run (run.steps = {steps}: "
                             f"steps 0..{steps - 1})")
         if chunks is not None and f.micro >= chunks:
@@ -203,6 +250,116 @@ def check_reachable(faults: Sequence[Fault], plan: LaunchPlan, *, steps: int | N
                 raise _never(f, f"its target (rank {dead}) is killed before, by {kill}")
 
 
+def firing_rank(node: str, hosts: Sequence[str] | None = None) -> int | None:
+    """The world rank that fires a fault aimed at testbed ``node``: the lowest rank whose
+    host is ``mpt-NODE`` (``hosts``: every rank's host, default the ones :func:`check_nodes`
+    recorded at start-up); None when no rank runs there.
+
+    Why the lowest: one rank must fire, or a partition would be fired again by a rank of
+    the node that reaches the step after the link came back.
+    """
+    hosts = _hosts if hosts is None else hosts
+    want = "mpt-" + node
+    return next((r for r, h in enumerate(hosts or ()) if h == want), None)
+
+
+def check_nodes(faults: Sequence[Fault], hosts: Sequence[str]) -> None:
+    """Refuse a node fault that can never fire (the world is not on a testbed, or no rank
+    runs on the node), and record ``hosts`` so that every rank agrees who fires it.
+
+    Called at start-up once every rank's host is known (after :func:`check_reachable`),
+    still before torch is imported. Why here and not in :func:`check_reachable`: the hosts
+    are gathered over MPI, which the launch plan's checks do not need.
+
+    Raises:
+        FaultError: the first node fault that cannot fire, named, with the reason.
+    """
+    global _hosts
+    _hosts = tuple(hosts)
+    nodes = [f for f in faults if f.node is not None]
+    if not nodes:
+        return
+    from .testbed import current
+
+    tb = current()
+    names = {n.host for n in tb.nodes} if tb is not None else set()
+    if not names or not set(hosts) <= names:
+        where = ", ".join(sorted(set(hosts)))
+        raise _never(nodes[0], f"the ranks run on {where}, not on the nodes of a testbed that is up; "
+                               f"node faults need one (python -m mpipipe.testbed, docs/testbed.md)")
+    for f in nodes:
+        if firing_rank(f.node, hosts) is None:  # type: ignore[arg-type]
+            raise _never(f, f"no rank runs on node mpt-{f.node} (the ranks run on "
+                            f"{', '.join(sorted(set(hosts)))})")
+
+
+def _node_procs(node: str) -> Path:
+    """The ``cgroup.procs`` file of testbed node ``node`` (named in the testbed's state)."""
+    from .testbed import STATE
+
+    return Path((STATE / "nodes" / ("mpt-" + node)).read_text().strip())
+
+
+def _daemons(pids: set[int]) -> set[int]:
+    """Open MPI's daemons among ``pids`` and their ancestors among them (the shell the rsh
+    agent started it with, whose end mpirun would read as a daemon that failed to start)."""
+    parent, spared = {}, set()
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        parent[pid] = int(rest[1])
+        if name == "prted":
+            spared.add(pid)
+    for pid in list(spared):
+        while parent.get(pid) in pids:
+            pid = parent[pid]
+            spared.add(pid)
+    return spared
+
+
+def kill_node(node: str) -> None:
+    """SIGKILL every process of testbed node ``node`` but Open MPI's daemon and this one
+    (the caller, which fires the fault, ends itself afterwards).
+
+    Every process started on a node joined its cgroup (jobs/testbed/rsh-agent), so the
+    cgroup lists them all. The daemon (``prted``) is spared: Open MPI 5's runtime cannot
+    survive the loss of a daemon ("PRTE has lost communication with a remote daemon ...
+    We cannot recover from this failure"), even under ``--with-ft ulfm``, so a node kill
+    that took it (or the shell that started it) would end every job, not test ResPipe.
+    Everything else of the node, its ranks above all, dies at once, which is what the
+    survivors see of a dead node.
+    """
+    procs, me = _node_procs(node), os.getpid()
+    for _ in range(200):  # until only this process and the daemon are left
+        pids = {int(p) for p in procs.read_text().split()} - {me}
+        pids -= _daemons(pids)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
+def set_link(node: str, up: bool) -> None:
+    """Take testbed node ``node``'s link (its ``eth0``) down or bring it back up.
+
+    Run with ``ip -n mpt-NODE``, which works from the host and from inside the node alike
+    (root: the testbed gives the node's processes its network namespace). With ``eth0``
+    down nothing enters or leaves the node; TCP connections are not reset, they wait.
+    """
+    done = subprocess.run(["ip", "-n", "mpt-" + node, "link", "set", "eth0", "up" if up else "down"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"cannot set the link of node mpt-{node} {'up' if up else 'down'}: "
+                           f"{done.stderr.strip()}")
+
+
 class FaultPlan:
     """The faults aimed at this process, fired by :meth:`at_step` from the training loop.
 
@@ -221,9 +378,12 @@ class FaultPlan:
         on_fire: Callable[[Fault, int, Mapping[str, float]], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         kill: Callable[[], None] | None = None,
+        dry: bool = False,
+        hosts: Sequence[str] | None = None,
     ) -> None:
         self.all = list(faults)
-        self.mine = [f for f in self.all if f.targets(stage=stage, rank=rank)]
+        # hosts: every rank's host (node faults), default the ones recorded at start-up
+        self.mine = [f for f in self.all if f.targets(stage=stage, rank=rank, hosts=hosts)]
         self.seed = int(seed)
         self.stage = stage
         self.rank = rank
@@ -231,6 +391,7 @@ class FaultPlan:
         self._sleep = sleep
         self._kill = kill or (lambda: os.kill(os.getpid(), signal.SIGKILL))
         self._fired: set[tuple[int, int]] = set()  # (fault index, step) of one-shot faults
+        self.dry = dry  # only on_fire: a plan that logs another rank's faults (Stannis host)
 
     def slowdown(self, step: int) -> float:
         """The compute slow-down factor in force at ``step`` (1.0 when none)."""
@@ -250,7 +411,22 @@ class FaultPlan:
         """
         slept = 0.0
         for i, f in enumerate(self.mine):
-            if f.kind in ("kill", "stall") and f.step == step and f.micro == micro \
+            if f.node is not None and f.step == step and micro < 0 and (i, step) not in self._fired:
+                self._fired.add((i, step))
+                if self.on_fire:
+                    self.on_fire(f, step, {"seconds": f.seconds})
+                if self.dry:
+                    continue
+                if f.kind == "partition":
+                    set_link(f.node, up=False)
+                    self._sleep(f.seconds)  # alive but unreachable, as a stalled rank
+                    slept += f.seconds
+                kill_node(f.node)  # the node's other processes; then this one
+                if f.kind == "partition":
+                    set_link(f.node, up=True)  # for the next job: the node is empty now
+                self._kill()
+                return slept  # only reached when kill is replaced in tests
+            elif f.kind in ("kill", "stall") and f.step == step and f.micro == micro \
                     and (i, step) not in self._fired:
                 self._fired.add((i, step))
                 if self.on_fire:

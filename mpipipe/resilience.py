@@ -525,7 +525,7 @@ class ResPipe:
         now = time.time()
         if self.is_logger:
             self._log_event("fault_injected", step, self.wrank, fault=str(fault), at=now)
-            if fault.kind in ("kill", "stall"):
+            if fault.kind in ("kill", "stall", "node-kill", "partition"):
                 # The log passes to a survivor, which needs the fault's time for its
                 # detected_after_s and recovery_s: every member hears it (logged: 1).
                 for w in self.members:
@@ -535,8 +535,8 @@ class ResPipe:
         else:
             self.control.send(_FAULT, self._drank(self.log_w), [now, step, self.wrank, 0],
                               seq=self.wrank)
-        if fault.kind == "kill":
-            time.sleep(0.01)  # let the note leave before the process dies
+        if fault.kind in ("kill", "node-kill", "partition"):
+            time.sleep(0.01)  # let the note leave before the process dies (or the link goes)
 
     def _drain_fault_notes(self, new_writer: bool = False) -> None:
         """The log writer (or the rank about to become it) reads the fault notes."""

@@ -157,7 +157,7 @@ class Trainer:
             for r in range(run.size):
                 self.fault_shadows[r] = FaultPlan(
                     self.faults.all, seed=seed, stage=None, rank=r, sleep=lambda s: None,
-                    kill=lambda: None, on_fire=self._fault_logger(r))
+                    kill=lambda: None, on_fire=self._fault_logger(r), dry=True)
         self.batches: list[int] = []
         self.profiles: dict[int, RankProfile] = {}
         # host: recent (batch, busy seconds) per rank; the tuner reads those at the plan in force

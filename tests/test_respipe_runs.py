@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from mpipipe.launch import ROOT, run_mpi
+from mpipipe.launch import run_mpi
 
-CONFIG = ROOT / "jobs" / "configs" / "respipe-digits.toml"
 STEPS, BATCH = 20, 32
 
 
 @pytest.fixture(scope="module")
-def runs(digits, tmp_path_factory):
+def runs(respipe_args, tmp_path_factory):
     """run(name, ranks, *settings, ulfm=..., resume=name) -> (CompletedProcess, log path,
     checkpoints); ``resume`` continues from the checkpoints of the named run."""
     base = tmp_path_factory.mktemp("respipe")
@@ -30,12 +29,7 @@ def runs(digits, tmp_path_factory):
     def run(name: str, ranks: int, *settings: str, ulfm: bool = True, timeout: float = 150,
             resume: str | None = None):
         log = base / f"{name}.h5"
-        cmd = ["-m", "mpipipe", "train", "--quiet", "--config", str(CONFIG),
-                "--set", f'data.path="{digits}"', "--set", f"run.steps={STEPS}",
-                "--set", "run.eval_every=0", "--set", f"run.checkpoint_every={STEPS}",
-                "--set", f"data.batch_size={BATCH}", "--log", str(log)]
-        for s in settings:
-            cmd += ["--inject", s[len("inject:"):]] if s.startswith("inject:") else ["--set", s]
+        cmd = respipe_args(log, *settings, steps=STEPS, batch=BATCH)
         if resume:
             cmd += ["--resume", str(base / f"{resume}-ckpt")]
         result = run_mpi(ranks, cmd, ulfm=ulfm, timeout=timeout)

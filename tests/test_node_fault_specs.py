@@ -1,0 +1,67 @@
+"""node-kill and partition specs without a testbed: parsing, who fires them, the start-up
+refusal off a testbed, and a dry plan (the Stannis host's log of other ranks' faults).
+The faults themselves run on a real testbed in tests/cluster/test_node_faults.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpipipe import inject
+from mpipipe.inject import FaultError, FaultPlan, check_nodes, firing_rank, parse
+
+
+@pytest.mark.parametrize("spec, text", [
+    ("node-kill:node=b:step=5", "node-kill:node=b:step=5"),
+    ("node-kill:node=mpt-b:step=5", "node-kill:node=b:step=5"),
+    ("partition:node=c2:step=3", "partition:node=c2:step=3:seconds=10"),
+    ("partition:node=c:step=3:seconds=2.5", "partition:node=c:step=3:seconds=2.5"),
+])
+def test_node_specs_parse_to_the_bare_node_name(spec: str, text: str) -> None:
+    assert str(parse(spec)) == text
+    assert str(parse(str(parse(spec)))) == text  # what the log shows parses back the same
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("node-kill:step=5", "missing node"),
+    ("node-kill:node=b", "missing step"),
+    ("node-kill:node=b:stage=1:step=5", "unknown key 'stage' for node-kill (allowed: node, step)"),
+    ("partition:node=b:rank=1:step=5", "unknown key 'rank' for partition (allowed: node, seconds, step)"),
+    ("node-kill:node=b:step=5:seconds=1", "unknown key 'seconds' for node-kill"),
+    ("node-kill:node=9b:step=5", "node='9b' is not a testbed node name"),
+    ("partition:node=b:step=5:seconds=0", "seconds must be > 0"),
+    ("kill:node=b:step=5", "unknown key 'node' for kill"),
+])
+def test_bad_node_specs_are_one_line_with_an_example(spec: str, why: str) -> None:
+    with pytest.raises(FaultError) as e:
+        parse(spec)
+    assert why in str(e.value) and "(e.g. " in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_lowest_rank_on_the_node_fires() -> None:
+    hosts = ["mpt-a", "mpt-c", "mpt-b", "mpt-c"]
+    assert firing_rank("c", hosts) == 1
+    assert firing_rank("b", hosts) == 2
+    assert firing_rank("d", hosts) is None
+    f = parse("node-kill:node=c:step=2")
+    mine = [r for r in range(4) if FaultPlan([f], seed=0, stage=None, rank=r, hosts=hosts).mine]
+    assert mine == [1]
+
+
+def test_a_node_fault_off_a_testbed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inject, "_hosts", None)
+    with pytest.raises(FaultError, match=r"^fault node-kill:node=b:step=5: the ranks run on host1, "
+                                         r"not on the nodes of a testbed that is up; .*it would never fire$"):
+        check_nodes([parse("kill:stage=0:step=1"), parse("node-kill:node=b:step=5")], ["host1", "host1"])
+    check_nodes([parse("kill:stage=0:step=1")], ["host1"])  # no node fault: nothing to check
+
+
+def test_a_dry_plan_logs_a_node_fault_and_does_nothing() -> None:
+    fired = []
+    plan = FaultPlan([parse("node-kill:node=b:step=3"), parse("partition:node=b:step=4:seconds=9")],
+                     seed=0, stage=None, rank=1, hosts=["mpt-a", "mpt-b"], dry=True,
+                     on_fire=lambda f, step, detail: fired.append((str(f), step)),
+                     sleep=lambda s: pytest.fail("a dry plan sleeps"),
+                     kill=lambda: pytest.fail("a dry plan kills"))
+    for step in range(6):
+        assert plan.at_step(step) == 0.0
+    assert fired == [("node-kill:node=b:step=3", 3), ("partition:node=b:step=4:seconds=9", 4)]
