@@ -229,6 +229,9 @@ def check_reachable(faults: Sequence[Fault], plan: LaunchPlan, *, steps: int | N
         if f.kind == "slow" and f.factor == 1:
             raise _never(f, "factor=1 slows nothing")
         role = plan.role_of(f.rank) if f.rank is not None else None
+        if role is not None and role.kind == "spare":
+            raise _never(f, f"rank {f.rank} is a spare, which idles outside the job; aim it "
+                            "at a stage or a backup")
         if role is not None and role.kind == "backup":
             if f.kind == "slow":
                 raise _never(f, f"rank {f.rank} is a backup of stage {role.index}, which "

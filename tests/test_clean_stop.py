@@ -223,6 +223,14 @@ def test_sigusr1_to_mpirun_stops_the_pipeline_at_a_step_with_a_resumable_checkpo
     result = _stop_mid_run(3, argv, ckpt)
     step, command = _interrupted(result, log, ckpt)
     assert 5 <= step < 2000
+    # The reader's position is the one after step S's batch, not after the batch read for
+    # step S + 1 (read before the stop was agreed on): resuming trains on that batch.
+    from mpipipe.checkpoint import load_stage
+
+    batch = 32  # data.batch_size of pipeline-digits.toml, not overridden here
+    with native.open_dataset(Path(digits) / "train") as train:
+        per_epoch = native.Sampler(len(train), seed=0).num_batches(batch)
+    assert load_stage(ckpt, 0).sampler == (step // per_epoch, step % per_epoch * batch)
     # The printed command resumes the run: run it (fewer steps, a fresh log).
     words = shlex.split(command)
     assert words[:3] == ["mpirun", "-n", "3"] and words[3:6] == ["python", "-m", "mpipipe"]
