@@ -404,16 +404,20 @@ class FaultPlan:
                 factor = max(factor, f.factor)
         return factor
 
-    def at_step(self, step: int, micro: int = -1) -> float:
+    def at_step(self, step: int, micro: int = -1, *, by_rank: bool = False) -> float:
         """Fire this process's faults due at ``step``; returns the seconds it slept.
 
         Called at the start of a step (``micro`` -1) and after the forward of each
         micro-batch (for kills and stalls placed inside a step). ``kill`` does not
         return. Every fault fires at most once per step, even if the step is replayed
-        after a takeover.
+        after a takeover. ``by_rank``: only the faults aimed at this rank by number (a
+        backup's: a rank that played a stage and came back as a backup is no longer
+        the target of ``stage=K``).
         """
         slept = 0.0
         for i, f in enumerate(self.mine):
+            if by_rank and f.rank is None:
+                continue
             if f.node is not None and f.step == step and micro < 0 and (i, step) not in self._fired:
                 self._fired.add((i, step))
                 if self.on_fire:

@@ -762,6 +762,7 @@ class ResPipe:
         self.optimizer, self.snapshot, self.slots = None, None, []
         self.prev_snapshot = None
         self.done = P
+        self._faults_at = max(self._faults_at, P - 1)  # none due while it was away fires late
         self.pending_rows, self._early = {}, {}
         self.pipe.abandon()
         self._rebind_pipe()
@@ -1036,7 +1037,7 @@ class ResPipe:
         # after the mirrored forward).
         while self._faults_at < min(self.done, total - 1):
             self._faults_at += 1
-            self.faults.at_step(self._faults_at)
+            self.faults.at_step(self._faults_at, by_rank=True)
         if self.settings.mode == "hot":
             self._mirror_step(k, stage_w)
             return False
