@@ -176,6 +176,29 @@ def test_damaged_record_on_a_csd_stops_stannis(digits, tmp_path):
     assert "csd_dropped" not in {e["kind"] for e in run.events}
 
 
+@pytest.mark.timeout(300)
+def test_damaged_record_in_the_benchmark_phase_stops_stannis(digits, tmp_path):
+    """HyperTune's benchmark reads records too: a damaged one stops every rank before a step."""
+    split = tmp_path / "split"
+    subprocess.run([sys.executable, "-m", "stannis", "prepare", "--source",
+                    str(digits), "--out", str(split), "--csds", "4"],
+                   check=True, env=mpirun_env(), cwd=ROOT, timeout=120, capture_output=True)
+    ds = native.open_dataset(split / "csd1")
+    record = int(np.random.default_rng(1).permutation(len(ds))[5])  # in the warm-up batch
+    ds.close()
+    _flip(split / "csd1" / "shard-00000.shard", record)
+    log = tmp_path / "stannis.h5"
+    result = run_mpi(5, ["-m", "stannis", "train", "--quiet", "--config", str(STANNIS),
+                         "--log", str(log), "--set", f'data.path="{split}"',
+                         "--set", "csd.slowdown=2.0", "--set", "run.eval_every=0",
+                         "--set", "run.steps=10"], timeout=280)
+    assert result.returncode == 2, result.stderr[-3000:]
+    _one_data_line(result, "stannis train", "csd1", f"record {record}")
+    run = open_log(log)
+    assert run.attrs["status"].startswith("failed: data: "), run.attrs["status"]
+    assert len(run.steps["step"]) == 0
+
+
 def _stop_mid_run(n: int, argv: list[str], ckpt: Path, *, ulfm: bool = False,
                   sig: int = signal.SIGUSR1) -> subprocess.CompletedProcess:
     """Start a job, wait for its first checkpoint, then signal mpirun; returns the result."""
