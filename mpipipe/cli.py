@@ -30,8 +30,10 @@ from .runlog import LogError, RunLog
 __all__ = ["Run", "add_train_arguments", "start_run", "gather_figures"]
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options every training command shares."""
+def add_train_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> None:
+    """Add the options every training command shares (``resume``: whether the command
+    can continue from checkpoints; without it ``--resume`` is an unknown option, not
+    one accepted and ignored)."""
     parser.add_argument(
         "--config", metavar="FILE",
         help="TOML configuration (examples in jobs/configs/; every key and its default is listed "
@@ -58,10 +60,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
              "micro-batch M); on a testbed: node-kill:node=N:step=S (every process of node N), "
              "partition:node=N:step=S[:seconds=T] (node N's link down for T s, default 10)",
     )
-    parser.add_argument("--resume", metavar="DIR",
-                        help="continue from the checkpoints in DIR; an existing --log is the "
-                             "run's own log, continued (its rows after the checkpoint's step "
-                             "are dropped: those steps run again)")
+    if not resume:
+        parser.set_defaults(resume=None)
+    else:
+        parser.add_argument("--resume", metavar="DIR",
+                            help="continue from the checkpoints in DIR; an existing --log is the "
+                                 "run's own log, continued (its rows after the checkpoint's step "
+                                 "are dropped: those steps run again)")
     parser.add_argument("--quiet", action="store_true", help="no progress display (the summary line stays)")
 
 

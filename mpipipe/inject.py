@@ -229,6 +229,9 @@ def check_reachable(faults: Sequence[Fault], plan: LaunchPlan, *, steps: int | N
         if f.kind == "slow" and f.factor == 1:
             raise _never(f, "factor=1 slows nothing")
         role = plan.role_of(f.rank) if f.rank is not None else None
+        if role is not None and role.kind == "spare":
+            raise _never(f, f"rank {f.rank} is a spare, which idles outside the job; aim it "
+                            "at a stage or a backup")
         if role is not None and role.kind == "backup":
             if f.kind == "slow":
                 raise _never(f, f"rank {f.rank} is a backup of stage {role.index}, which "
@@ -401,16 +404,20 @@ class FaultPlan:
                 factor = max(factor, f.factor)
         return factor
 
-    def at_step(self, step: int, micro: int = -1) -> float:
+    def at_step(self, step: int, micro: int = -1, *, by_rank: bool = False) -> float:
         """Fire this process's faults due at ``step``; returns the seconds it slept.
 
         Called at the start of a step (``micro`` -1) and after the forward of each
         micro-batch (for kills and stalls placed inside a step). ``kill`` does not
         return. Every fault fires at most once per step, even if the step is replayed
-        after a takeover.
+        after a takeover. ``by_rank``: only the faults aimed at this rank by number (a
+        backup's: a rank that played a stage and came back as a backup is no longer
+        the target of ``stage=K``).
         """
         slept = 0.0
         for i, f in enumerate(self.mine):
+            if by_rank and f.rank is None:
+                continue
             if f.node is not None and f.step == step and micro < 0 and (i, step) not in self._fired:
                 self._fired.add((i, step))
                 if self.on_fire:

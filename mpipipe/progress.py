@@ -116,18 +116,18 @@ def _hosts(hosts: Sequence[str]) -> str:
     if len(by_host) == 1:
         host, ranks = next(iter(by_host.items()))
         return f"{host} ({len(ranks)} rank{'s' if len(ranks) > 1 else ''})"
-    return ", ".join(f"{h} (ranks {_ranges(r)})" for h, r in by_host.items())
+    return ", ".join(f"{h} (ranks {spans(r)})" for h, r in by_host.items())
 
 
-def _ranges(ranks: Iterable[int]) -> str:
-    """``0-3,6,8-9`` from sorted ranks."""
+def spans(numbers: Iterable[int], sep: str = ",") -> str:
+    """``0-3,6,8-9`` from ranks or steps: what a line names, compressed (any order in)."""
     out: list[str] = []
-    for r in sorted(ranks):
-        if out and out[-1].split("-")[-1] == str(r - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+    for n in sorted(numbers):
+        if out and out[-1].split("-")[-1] == str(n - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{n}"
         else:
-            out.append(str(r))
-    return ",".join(out)
+            out.append(str(n))
+    return sep.join(out)
 
 
 def startup_line(world: int, plan: Sequence[Any], hosts: Sequence[str], log: str | Path | None) -> str:
@@ -140,7 +140,7 @@ def startup_line(world: int, plan: Sequence[Any], hosts: Sequence[str], log: str
     by_role: dict[str, list[int]] = {}
     for rank, role in enumerate(plan):
         by_role.setdefault(str(role), []).append(rank)
-    roles = ", ".join(f"{role} on {'rank' if len(r) == 1 else 'ranks'} {_ranges(r)}"
+    roles = ", ".join(f"{role} on {'rank' if len(r) == 1 else 'ranks'} {spans(r)}"
                       for role, r in by_role.items())
     where = f"log {log}" if log else "no log"
     return f"{world} rank{'s' if world != 1 else ''} on {_hosts(hosts)}; plan: {roles}; {where}"

@@ -624,8 +624,11 @@ class ResPipe:
                 self._stopped(e)
                 raise
         self._finish()
-        if self.stopper.pending is not None:  # a backup, told by its stage that it ended
-            raise self.stopper.pending
+        pending = self.stopper.pending
+        # A backup, told by its stage that it ended; a stop agreed on for the last step
+        # itself leaves nothing to resume: the run completed.
+        if pending is not None and (pending.kind == "data" or pending.step < total_steps):
+            raise pending
         elapsed = time.time() - t_start
         return {"steps": self.done, "elapsed_s": elapsed, "generation": self.gen,
                 "accuracy": self.last_eval, "loss": self.last_loss,
@@ -759,6 +762,7 @@ class ResPipe:
         self.optimizer, self.snapshot, self.slots = None, None, []
         self.prev_snapshot = None
         self.done = P
+        self._faults_at = max(self._faults_at, P - 1)  # none due while it was away fires late
         self.pending_rows, self._early = {}, {}
         self.pipe.abandon()
         self._rebind_pipe()
@@ -1033,7 +1037,7 @@ class ResPipe:
         # after the mirrored forward).
         while self._faults_at < min(self.done, total - 1):
             self._faults_at += 1
-            self.faults.at_step(self._faults_at)
+            self.faults.at_step(self._faults_at, by_rank=True)
         if self.settings.mode == "hot":
             self._mirror_step(k, stage_w)
             return False
@@ -1725,13 +1729,13 @@ def _eval_fn(cfg: Mapping[str, Any], eval_batches: int
 
 
 def _close_log(run: Any, status: str) -> bool:
-    """Close the log if this rank writes it; False (and one error line) if it could not."""
+    """Close the log if this rank writes it; False (and one error line) if it could not,
+    or if it holds less than it should (the status written is then ``incomplete: ...``)."""
     try:
-        run.log.close(status)
+        return run.log.close(status) == status
     except LogError as e:
         print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
         return False
-    return True
 
 
 def train(run: Any) -> int:
@@ -1801,12 +1805,10 @@ def train(run: Any) -> int:
         # Leave without MPI_Finalize: under ULFM it runs an agreement over the world,
         # which we saw hang now and then with a dead rank in it. The log and the
         # checkpoints are closed files by now; mpirun reports the exit status.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
+        stop.flush_and_exit(2)
     except StopRun as e:  # a data error or a stop signal: every rank leaves, none takes over
         if rp.is_logger:
-            stop.announce(run.prog, e, size=run.size, checkpoint_dir=s.checkpoint_dir
+            stop.announce(run.prog, e, checkpoint_dir=s.checkpoint_dir
                           if e.kind == "signal" else None)
             _close_log(run, e.status)
         stop.flush_and_exit(e.exit_code)
@@ -1816,9 +1818,7 @@ def train(run: Any) -> int:
         # (a replaced log writer let go of the log: a survivor writes it now)
         # Leave without MPI_Finalize, whose world-wide agreement would wait for ranks
         # that have moved on (or, after a lost stage, exited with an error).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        stop.flush_and_exit(0)
     code = 0
     if log.active:
         summary = {
@@ -1839,7 +1839,5 @@ def train(run: Any) -> int:
         # A replaced rank leaves without MPI_Finalize (see Demoted above), and a killed
         # one never reaches it; the world-wide agreement inside Finalize was seen to wait
         # for such a rank now and then. Everything is written and closed: leave as well.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        stop.flush_and_exit(code)
     return code

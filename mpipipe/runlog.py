@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 import h5py
 import numpy as np
 
+from .progress import spans
+
 __all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_log", "open_for_reading",
            "package_versions"]
 
@@ -490,7 +492,7 @@ class RunLog:
             missing = [s for s in self._expected if s not in have]
             if missing:
                 status = (f"incomplete: no row for {len(missing)} of the {len(self._expected)} "
-                          f"steps run (steps {_spans(missing)})")
+                          f"steps run (steps {spans(missing, ', ')})")
                 print(f"mpipipe: error: {self.path}: {status}", file=sys.stderr, flush=True)
         self._file.attrs["status"] = status
         self._file.attrs["end_time"] = datetime.now(UTC).isoformat(timespec="seconds")
@@ -503,17 +505,6 @@ class RunLog:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close("completed" if exc_type is None else f"failed: {exc}")
-
-
-def _spans(steps: Sequence[int]) -> str:
-    """``1-3, 7, 9-10`` for [1, 2, 3, 7, 9, 10] (sorted)."""
-    out: list[str] = []
-    for s in steps:
-        if out and int(out[-1].rsplit("-", 1)[-1]) == s - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{s}"
-        else:
-            out.append(str(s))
-    return ", ".join(out)
 
 
 def _jsonable(obj: Any) -> Any:

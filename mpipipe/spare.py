@@ -12,8 +12,6 @@ and sleep until the working ranks finish.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,6 +66,6 @@ def _idle_until_end(end: Any, MPI: Any) -> None:
     except MPI.Exception:
         # A working rank died (ULFM). Leave without MPI_Finalize, whose world-wide
         # agreement could wait for the dead rank (as ResPipe's ranks do).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        from .stop import flush_and_exit
+
+        flush_and_exit(0)

@@ -113,13 +113,21 @@ def agree(comm: Any, error: str | None, step: int) -> StopRun | None:
     return stop_from(comm, worst, error, step)
 
 
-def resume_command(size: int, directory: str | Path, argv: list[str] | None = None) -> str:
+def resume_command(directory: str | Path, argv: list[str] | None = None, *,
+                   size: int | None = None) -> str:
     """The command that continues this run from the checkpoints in ``directory``.
 
-    The run's own arguments, with ``--resume`` replaced, under ``mpirun -n SIZE``
-    (plus ``--with-ft ulfm`` when this run has it).
+    The run's own arguments, with ``--resume`` replaced and ``--overwrite`` left out
+    (it would replace the log the resumed run continues), under ``mpirun -n SIZE``
+    (plus ``--with-ft ulfm`` when this run has it). SIZE is the whole MPI world,
+    spare ranks included, unless given: the command relaunches the whole job.
     """
     from . import ft
+
+    if size is None:
+        from mpi4py import MPI
+
+        size = MPI.COMM_WORLD.Get_size()
 
     argv = list(sys.argv if argv is None else argv)
     main = Path(argv[0])
@@ -130,13 +138,13 @@ def resume_command(size: int, directory: str | Path, argv: list[str] | None = No
             skip = False
         elif a == "--resume":
             skip = True
-        elif not a.startswith("--resume="):
+        elif a != "--overwrite" and not a.startswith("--resume="):
             rest.append(a)
     mpirun = ["mpirun"] + (["--with-ft", "ulfm"] if ft.ulfm_enabled() else []) + ["-n", str(size)]
     return shlex.join([*mpirun, "python", "-m", module, *rest, "--resume", str(directory)])
 
 
-def announce(prog: str, stop: StopRun, *, size: int, checkpoint_dir: str | Path | None,
+def announce(prog: str, stop: StopRun, *, checkpoint_dir: str | Path | None,
              unresumable: str = "set run.checkpoint_dir to make an interrupted run resumable"
              ) -> None:
     """The one line the log writer prints when the run stops (stderr)."""
@@ -144,7 +152,7 @@ def announce(prog: str, stop: StopRun, *, size: int, checkpoint_dir: str | Path 
         line = f"{prog}: error: data: {stop.message}"
     elif checkpoint_dir is not None:
         line = (f"{prog}: interrupted by {stop.message} at step {stop.step}; checkpoint in "
-                f"{checkpoint_dir}; resume with: {resume_command(size, checkpoint_dir)}")
+                f"{checkpoint_dir}; resume with: {resume_command(checkpoint_dir)}")
     else:
         line = (f"{prog}: interrupted by {stop.message} at step {stop.step}; no checkpoint was "
                 f"written ({unresumable})")

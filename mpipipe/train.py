@@ -304,15 +304,21 @@ def evaluate(s: Setup) -> float:
     return correct / count if count else math.nan
 
 
-def save_checkpoint(s: Setup, step: int) -> None:
-    """Every stage writes its own file; rank 0 logs one event."""
+def save_checkpoint(s: Setup, step: int, position: tuple[int, int] | None = None) -> None:
+    """Every stage writes its own file; rank 0 logs one event.
+
+    ``position`` is the reader's position after the last batch trained on; by default
+    the reader's position now, which is that one unless a batch was read since (as when
+    a stop is agreed on after the next batch was read: it must be read again on resume).
+    """
     from . import checkpoint
 
     pipe = s.pipe
     if s.checkpoint_dir is None or pipe.stage_module is None:
         s.run.comm.Barrier()
         return
-    position = s.train_data.position if s.train_data is not None else (-1, -1)
+    if position is None:
+        position = s.train_data.position if s.train_data is not None else (-1, -1)
     checkpoint.save_stage(s.checkpoint_dir, step=step, stage=pipe.stage, balance=pipe.balance,
                           module=pipe.stage_module, optimizer=s.optimizer, sampler=position,
                           eval_count=pipe.eval_count)
@@ -334,15 +340,15 @@ def _abort(s: Setup, step: int, error: Exception) -> None:
     run.comm.Abort(3)
 
 
-def stopped(s: Setup, halt: stop.StopRun) -> int:
+def stopped(s: Setup, halt: stop.StopRun, position: tuple[int, int] | None) -> int:
     """Every rank, after agreeing to stop: checkpoint (on a signal), one line, the log's
-    status; returns the exit status."""
+    status; returns the exit status. ``position``: the reader's before the batch read
+    for the step that is not run."""
     run = s.run
     if halt.kind == "signal" and s.checkpoint_dir is not None:
-        save_checkpoint(s, halt.step)
+        save_checkpoint(s, halt.step, position)
     if run.rank == 0:
-        stop.announce(run.prog, halt, size=run.size,
-                      checkpoint_dir=s.checkpoint_dir if halt.kind == "signal" else None)
+        stop.announce(run.prog, halt, checkpoint_dir=s.checkpoint_dir if halt.kind == "signal" else None)
     run.log.close(halt.status)
     return halt.exit_code
 
@@ -367,10 +373,11 @@ def train(run: Run) -> int:
     step = s.start_step
     for step in range(s.start_step, s.total_steps):
         # A data error or a stop signal on any rank stops every rank here, together.
+        position = s.train_data.position if s.train_data is not None else None
         mini, error = read_batch(s)
         halt = stop.agree(comm, error, step)
         if halt is not None:
-            return stopped(s, halt)
+            return stopped(s, halt, position)
         try:
             figures = train_step(s, step, mini)
         except (Late, PeerFailed) as e:
@@ -407,8 +414,8 @@ def train(run: Run) -> int:
     log.set_attr("summary", summary)
     if run.rank == 0:
         progress.summary(**summary)  # printed under --quiet too
-    log.close("completed")
-    return 0
+    # A log that lacks rows it should hold ends as "incomplete: ...", and so does the run.
+    return 0 if log.close("completed") == "completed" else 1
 
 
 def _ulfm() -> bool:

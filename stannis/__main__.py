@@ -18,7 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stannis {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (under mpirun -n 1+N)")
-    add_train_arguments(train)
+    add_train_arguments(train, resume=False)  # Stannis keeps no checkpoints
     prep = sub.add_parser("prepare", help="split a data set into public and per-CSD private "
                                           "shard directories (demo data)")
     prep.add_argument("--source", default="data/digits",

@@ -285,15 +285,25 @@ class Trainer:
         self.run.progress.message(
             f"benchmark: batch sizes {', '.join(map(str, sizes))}, {s['benchmark_repeats']} "
             f"timed steps each, on {len(self.members)} ranks")
-        self._compute(max(sizes))  # warm-up: first calls allocate and are not typical
         row = np.zeros(len(sizes) * 2)
-        for i, b in enumerate(sizes):
-            # The fastest repeat: noise (a busy core, a cache miss) only ever adds time.
-            times = [self._compute(b)[0] for _ in range(s["benchmark_repeats"])]
-            row[2 * i], row[2 * i + 1] = b, float(np.min(times))
+        error = None
+        try:
+            self._compute(max(sizes))  # warm-up: first calls allocate and are not typical
+            for i, b in enumerate(sizes):
+                # The fastest repeat: noise (a busy core, a cache miss) only ever adds time.
+                times = [self._compute(b)[0] for _ in range(s["benchmark_repeats"])]
+                row[2 * i], row[2 * i + 1] = b, float(np.min(times))
+        except DataFault as e:  # the benchmark reads records too: every rank stops, as in a step
+            error = str(e)
         self.optimizer.zero_grad(set_to_none=True)
         table = np.zeros((self.comm.Get_size(), len(row))) if self.is_host else None
+        code, worst = np.array([stop.agree_code(self.comm, error)], dtype=np.float64), np.zeros(1)
+        agreed = self.comm.Iallreduce(code, worst, op=MPI.MAX)
         self.comm.Gather(row, table, root=0)
+        agreed.Wait()
+        halt = stop.stop_from(self.comm, int(worst[0]), error, 0)
+        if halt is not None:
+            raise halt  # before any step: nothing trained, nothing to resume
         if self.is_host:
             for pos, r in enumerate(self.members):
                 bs, ts = table[pos, 0::2], table[pos, 1::2]
@@ -723,7 +733,7 @@ def main(args: argparse.Namespace) -> int:
         trainer.flush_figures()
         trainer.log.drain()
         if trainer.is_host:
-            stop.announce(PROG, e, size=run.size, checkpoint_dir=None,
+            stop.announce(PROG, e, checkpoint_dir=None,
                           unresumable="Stannis keeps no checkpoints; a new run starts over")
         run.log.close(e.status)
         return e.exit_code

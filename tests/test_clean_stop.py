@@ -176,6 +176,29 @@ def test_damaged_record_on_a_csd_stops_stannis(digits, tmp_path):
     assert "csd_dropped" not in {e["kind"] for e in run.events}
 
 
+@pytest.mark.timeout(300)
+def test_damaged_record_in_the_benchmark_phase_stops_stannis(digits, tmp_path):
+    """HyperTune's benchmark reads records too: a damaged one stops every rank before a step."""
+    split = tmp_path / "split"
+    subprocess.run([sys.executable, "-m", "stannis", "prepare", "--source",
+                    str(digits), "--out", str(split), "--csds", "4"],
+                   check=True, env=mpirun_env(), cwd=ROOT, timeout=120, capture_output=True)
+    ds = native.open_dataset(split / "csd1")
+    record = int(np.random.default_rng(1).permutation(len(ds))[5])  # in the warm-up batch
+    ds.close()
+    _flip(split / "csd1" / "shard-00000.shard", record)
+    log = tmp_path / "stannis.h5"
+    result = run_mpi(5, ["-m", "stannis", "train", "--quiet", "--config", str(STANNIS),
+                         "--log", str(log), "--set", f'data.path="{split}"',
+                         "--set", "csd.slowdown=2.0", "--set", "run.eval_every=0",
+                         "--set", "run.steps=10"], timeout=280)
+    assert result.returncode == 2, result.stderr[-3000:]
+    _one_data_line(result, "stannis train", "csd1", f"record {record}")
+    run = open_log(log)
+    assert run.attrs["status"].startswith("failed: data: "), run.attrs["status"]
+    assert len(run.steps["step"]) == 0
+
+
 def _stop_mid_run(n: int, argv: list[str], ckpt: Path, *, ulfm: bool = False,
                   sig: int = signal.SIGUSR1) -> subprocess.CompletedProcess:
     """Start a job, wait for its first checkpoint, then signal mpirun; returns the result."""
@@ -223,6 +246,14 @@ def test_sigusr1_to_mpirun_stops_the_pipeline_at_a_step_with_a_resumable_checkpo
     result = _stop_mid_run(3, argv, ckpt)
     step, command = _interrupted(result, log, ckpt)
     assert 5 <= step < 2000
+    # The reader's position is the one after step S's batch, not after the batch read for
+    # step S + 1 (read before the stop was agreed on): resuming trains on that batch.
+    from mpipipe.checkpoint import load_stage
+
+    batch = 32  # data.batch_size of pipeline-digits.toml, not overridden here
+    with native.open_dataset(Path(digits) / "train") as train:
+        per_epoch = native.Sampler(len(train), seed=0).num_batches(batch)
+    assert load_stage(ckpt, 0).sampler == (step // per_epoch, step % per_epoch * batch)
     # The printed command resumes the run: run it (fewer steps, a fresh log).
     words = shlex.split(command)
     assert words[:3] == ["mpirun", "-n", "3"] and words[3:6] == ["python", "-m", "mpipipe"]

@@ -393,3 +393,16 @@ def test_a_round_finishes_the_step_in_flight_only_when_every_rank_can() -> None:
     # ranks two steps apart (the mirror behind; others could hold it, the log could not)
     far = {0: _heard(8, records_from=6), 2: _heard(8, records_from=6), 3: _heard(6, 1, 1)}
     assert not r._can_go_on(far, route, backups, promoted)
+
+
+def test_a_backup_fires_only_the_faults_aimed_at_its_rank() -> None:
+    """A rank that played stage 1 and rejoined as a backup is not stage 1 any more."""
+    from mpipipe.inject import FaultPlan, parse_all
+
+    slept: list[float] = []
+    plan = FaultPlan(parse_all(["delay:stage=1:p=1:seconds=2", "stall:rank=1:step=3:seconds=1"]),
+                     seed=0, stage=1, rank=1, sleep=slept.append)
+    for step in range(5):
+        plan.at_step(step, by_rank=True)
+    assert slept == [1.0]
+    assert plan.at_step(5) == 2.0  # as the stage it was, the delay applies
