@@ -196,7 +196,7 @@ def test_damaged_record_in_the_benchmark_phase_stops_stannis(digits, tmp_path):
     _one_data_line(result, "stannis train", "csd1", f"record {record}")
     run = open_log(log)
     assert run.attrs["status"].startswith("failed: data: "), run.attrs["status"]
-    assert len(run.steps["step"]) == 0
+    assert len(run.steps.get("step", ())) == 0  # no step row: it stopped before step 1
 
 
 def _stop_mid_run(n: int, argv: list[str], ckpt: Path, *, ulfm: bool = False,
