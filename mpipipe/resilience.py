@@ -1811,6 +1811,7 @@ def train(run: Any) -> int:
             stop.announce(run.prog, e, checkpoint_dir=s.checkpoint_dir
                           if e.kind == "signal" else None)
             _close_log(run, e.status)
+        stop.all_reach(rp.data, 30.0)  # the writer's line and log before anyone's exit
         stop.flush_and_exit(e.exit_code)
     except Demoted as e:
         print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["StopRun", "install", "requested", "agree", "agree_code", "stop_from",
-           "resume_command", "announce", "ControlStop"]
+           "resume_command", "announce", "ControlStop", "all_reach",
+           "flush_and_exit"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 NONE, SIGNAL, DATA = 0, 1, 2  # stop codes, the larger wins when ranks disagree
@@ -233,6 +234,28 @@ class ControlStop:
         self.rp.control.drain(2.0)
         self.pending = StopRun("data", message, self.rp.done)
         return self.pending
+
+
+def all_reach(comm: Any, seconds: float) -> bool:
+    """Wait (at most ``seconds``) until every rank of ``comm`` got here; False if not all did.
+
+    Why: mpirun ends the whole job, silently, as soon as one rank exits with a non-zero
+    status, so a rank that left first took the log writer's stop line (and the log's
+    final status) with it. Bounded, and failures swallowed, because a rank that already
+    left (or died) must not keep the others from leaving.
+    """
+    import time
+
+    try:
+        request = comm.Ibarrier()
+        give_up = time.monotonic() + seconds
+        while not request.Test():
+            if time.monotonic() > give_up:
+                return False
+            time.sleep(0.002)
+        return True
+    except Exception:  # noqa: BLE001 - a failed peer under ULFM: leave anyway
+        return False
 
 
 def flush_and_exit(code: int) -> None:
