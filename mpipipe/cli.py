@@ -187,7 +187,7 @@ def start_run(
     hosts = comm.allgather(socket.gethostname())
     try:
         check_placement(plan, hosts, cfg.get("resilience", {}))
-        check_nodes(parse_all(cfg[section][key]), hosts)
+        check_nodes(parse_all(cfg[section][key]), hosts, plan)
     except (PlanError, FaultError) as e:
         fail_fast(comm, e, prog, rank)
 

@@ -266,9 +266,10 @@ def firing_rank(node: str, hosts: Sequence[str] | None = None) -> int | None:
     return next((r for r, h in enumerate(hosts or ()) if h == want), None)
 
 
-def check_nodes(faults: Sequence[Fault], hosts: Sequence[str]) -> None:
+def check_nodes(faults: Sequence[Fault], hosts: Sequence[str], plan: LaunchPlan | None = None) -> None:
     """Refuse a node fault that can never fire (the world is not on a testbed, or no rank
-    runs on the node), and record ``hosts`` so that every rank agrees who fires it.
+    runs on the node), or that would take a rank no run survives (a Stannis ``host``, as
+    ``kill:rank=0`` is refused), and record ``hosts`` so that every rank agrees who fires it.
 
     Called at start-up once every rank's host is known (after :func:`check_reachable`),
     still before torch is imported. Why here and not in :func:`check_reachable`: the hosts
@@ -294,6 +295,11 @@ def check_nodes(faults: Sequence[Fault], hosts: Sequence[str]) -> None:
         if firing_rank(f.node, hosts) is None:  # type: ignore[arg-type]
             raise _never(f, f"no rank runs on node mpt-{f.node} (the ranks run on "
                             f"{', '.join(sorted(set(hosts)))})")
+        lost = [r for r, h in enumerate(hosts) if h == "mpt-" + f.node]
+        vital = [r for r in lost if plan is not None and plan.role_of(r).kind == "host"]
+        if vital:
+            raise FaultError(f"fault {f}: node mpt-{f.node} runs the host (rank {vital[0]}), which no "
+                             f"run survives losing; aim it at a node of CSD ranks only")
 
 
 def _node_procs(node: str) -> Path:

@@ -150,7 +150,7 @@ def startup_line(world: int, plan: Sequence[Any], hosts: Sequence[str], log: str
 # (seconds printed to the millisecond, a missing key as "?").
 _EVENT_LINES = {
     "fault_injected": "fault injected on rank {rank}: {fault}",
-    "failure_detected": "rank {rank} (stage {stage}) failed, detected after {detected_after_s} ({how})",
+    "failure_detected": "rank {rank} ({who}) failed, detected after {detected_after_s} ({how})",
     "takeover": "takeover: stage {stage} (was rank {replaced}) now served by rank {rank}, generation "
                 "{generation}, {replay_text}{lost_text}",
     "takeover_recovered": "stage {stage} recovered {recovery_s} after the fault",
@@ -173,6 +173,9 @@ def event_line(kind: str, step: int, rank: int, detail: Mapping[str, Any]) -> st
         return None
     fields = _Fields({k: f"{v:.3f} s" if k.endswith("_s") and isinstance(v, int | float) else v
                       for k, v in detail.items()}, rank=rank)
+    # A lost backup has stage -1 and the stage it shadowed in backup_of.
+    stage = detail.get("stage")
+    fields["who"] = f"backup of stage {detail.get('backup_of', '?')}" if stage == -1 else f"stage {fields['stage']}"
     replay = int(detail.get("replay_step", -1))
     fields["replay_text"] = "finishing the step in flight (no replay)" if replay < 0 else f"replaying step {replay}"
     lost = detail.get("lost_updates")

@@ -167,6 +167,12 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
     except FaultError as e:
         raise PlanError(str(e)) from None
     for f in faults:
+        if f.kind == "partition":
+            raise PlanError(f"fault {f}: Stannis finds a lost CSD by ULFM only (it has no deadline), "
+                            "so a partition would only stall every rank until it ends; use "
+                            f"node-kill:node={f.node}:step={f.step}")
+        if f.node is not None:
+            continue  # a whole testbed node: checked once the ranks' hosts are known
         if f.rank is None:
             raise PlanError(f"fault {f}: Stannis has no stages; aim it at a rank, e.g. "
                             f"{f.kind}:rank=2:...")

@@ -255,7 +255,7 @@ class Trainer:
 
     def _fault_logger(self, rank: int):
         def log(fault: Any, step: int, detail: dict) -> None:
-            self.log.event("fault_injected", step=step + 1, rank=rank, spec=str(fault),
+            self.log.event("fault_injected", step=step + 1, rank=rank, fault=str(fault),
                                **detail)
         return log
 
@@ -561,7 +561,7 @@ class Trainer:
             for f in self.faults.all:
                 if f.kind == "slow" and f.step == index and f.rank in self.members:
                     self.log.event("fault_injected", step=index + 1, rank=f.rank,
-                                       spec=str(f), factor=f.factor)
+                                       fault=str(f), factor=f.factor)
         t_start = time.perf_counter()
         self.meter.start()
         self.faults.at_step(index)

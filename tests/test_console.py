@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mpipipe.launch import ROOT, run_mpi
-from mpipipe.progress import Progress, plain_lines, startup_line
+from mpipipe.progress import Progress, event_line, plain_lines, startup_line
 
 PIPELINE = ROOT / "jobs" / "configs" / "pipeline-digits.toml"
 RESPIPE = ROOT / "jobs" / "configs" / "respipe-digits.toml"
@@ -90,6 +90,14 @@ def _train(n: int, config: Path, digits: Path, log: Path, *args: str, ulfm: bool
     argv = ["-m", "mpipipe", "train", "--config", str(config), "--set", f'data.path="{digits}"',
             "--log", str(log), *args]
     return run_mpi(n, argv, ulfm=ulfm, timeout=timeout, env=env)
+
+
+def test_a_lost_backup_is_named_as_the_backup_of_its_stage() -> None:
+    detail = {"stage": -1, "backup_of": 2, "detected_after_s": 0.25, "how": "ulfm"}
+    assert event_line("failure_detected", 7, 4, detail) == \
+        "step 7: rank 4 (backup of stage 2) failed, detected after 0.250 s (ulfm)"
+    assert event_line("failure_detected", 7, 1, {**detail, "stage": 1, "backup_of": -1}) == \
+        "step 7: rank 1 (stage 1) failed, detected after 0.250 s (ulfm)"
 
 
 @pytest.mark.timeout(300)

@@ -65,3 +65,32 @@ def test_a_dry_plan_logs_a_node_fault_and_does_nothing() -> None:
     for step in range(6):
         assert plan.at_step(step) == 0.0
     assert fired == [("node-kill:node=b:step=3", 3), ("partition:node=b:step=4:seconds=9", 4)]
+
+
+def test_a_node_fault_on_the_stannis_host_node_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpipipe import testbed
+    from mpipipe.roles import LaunchPlan, Role
+
+    bed = testbed.Testbed(tuple(testbed.Node(n, 0.5, 100.0) for n in ("host", "csd1")),
+                          testbed.ipaddress.IPv4Network("10.213.0.0/24"))
+    monkeypatch.setattr(testbed, "current", lambda: bed)
+    plan = LaunchPlan((Role("host"), Role("csd", 1)))
+    hosts = ["mpt-host", "mpt-csd1"]
+    with pytest.raises(FaultError, match=r"^fault node-kill:node=host:step=5: node mpt-host runs the "
+                                         r"host \(rank 0\), which no run survives losing; aim it at a "
+                                         r"node of CSD ranks only$"):
+        check_nodes([parse("node-kill:node=host:step=5")], hosts, plan)
+    check_nodes([parse("node-kill:node=csd1:step=5")], hosts, plan)  # a CSD's node: fine
+
+
+def test_stannis_takes_a_node_kill_and_refuses_a_partition() -> None:
+    from mpipipe.config import load_config
+    from mpipipe.roles import PlanError
+    from stannis.config import STANNIS_DEFAULTS, stannis_plan
+
+    cfg = load_config(None, ['stannis.inject=["node-kill:node=csd1:step=5"]'], STANNIS_DEFAULTS)
+    assert stannis_plan(cfg, 5).world_size == 5
+    cfg = load_config(None, ['stannis.inject=["partition:node=csd1:step=5"]'], STANNIS_DEFAULTS)
+    with pytest.raises(PlanError, match=r"^fault partition:node=csd1:step=5:seconds=10: Stannis finds a "
+                                        r"lost CSD by ULFM only .*use node-kill:node=csd1:step=5$"):
+        stannis_plan(cfg, 5)
