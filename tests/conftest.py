@@ -1,7 +1,8 @@
-"""Shared fixtures: the digits data set, converted once per test session."""
+"""Shared fixtures: the digits data set, converted once per test session, and its Stannis split."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,6 +23,16 @@ def digits(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def stannis_split(digits: Path, tmp_path_factory) -> Path:
+    """The digits split by ``stannis prepare`` for a host and 4 CSDs (do not modify it:
+    it is shared by the session; copy it to damage it)."""
+    out = tmp_path_factory.mktemp("stannis") / "split"
+    subprocess.run([sys.executable, "-m", "stannis", "prepare", "--source", str(digits), "--out", str(out),
+                    "--csds", "4"], check=True, env=mpirun_env(), cwd=ROOT, timeout=120, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def respipe_args(digits: Path) -> Callable[..., list[str]]:
     """respipe_args(log, *settings, steps=20, batch=32) -> the ``python`` arguments of a
     ResPipe run of LeNet on the digits in 3 stages (respipe-digits.toml), checkpointed at
@@ -37,3 +48,22 @@ def respipe_args(digits: Path) -> Callable[..., list[str]]:
         return cmd
 
     return args
+
+
+@pytest.fixture(scope="session")
+def assert_csd_dropped(stannis_split: Path) -> Callable[..., None]:
+    """assert_csd_dropped(run, rank, steps): CSD ``rank`` of a Stannis run on the split was
+    dropped with its records counted as lost, the survivors re-tuned to the same global
+    batch, and the others (the last CSD among them) trained every one of ``steps``."""
+
+    def check(run, rank: int, steps: int) -> None:
+        dropped = run.events_of("csd_dropped")
+        assert [e["rank"] for e in dropped] == [rank]
+        split = json.loads((stannis_split / "split.json").read_text())
+        assert dropped[0]["detail"]["samples_lost"] == split["records"][f"csd{rank}"]
+        after = [e for e in run.events_of("retune") if "dropped" in e["detail"]["reason"]]
+        assert after and len(after[0]["detail"]["new"]) == len(after[0]["detail"]["old"]) - 1
+        assert sum(after[0]["detail"]["new"]) == sum(after[0]["detail"]["old"])  # survivors take it
+        assert len(run.ranks[rank]["step"]) < steps and len(run.ranks[4]["step"]) == steps
+
+    return check

@@ -16,7 +16,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 
 import native
-from mpipipe.launch import ROOT, kill_job, mpirun_env, run_mpi, start_mpi
+from mpipipe.launch import ROOT, kill_job, run_mpi, start_mpi
 from mpipipe.runlog import open_log
 from native.reader import read_all
 
@@ -151,15 +150,13 @@ def test_a_label_out_of_range_in_an_old_data_set_is_a_data_error_when_read(digit
             batches.next()
 
 
-def _damaged_csd1(digits: Path, tmp_path: Path, nth: int) -> tuple[Path, int]:
-    """The Stannis split of the digits with the ``nth`` record CSD 1 reads damaged; its index.
+def _damaged_csd1(stannis_split: Path, tmp_path: Path, nth: int) -> tuple[Path, int]:
+    """A copy of the Stannis split with the ``nth`` record CSD 1 reads damaged; its index.
 
     CSD 1 (world rank 1) draws its records in the order of its stream's shuffle.
     """
     split = tmp_path / "split"
-    subprocess.run([sys.executable, "-m", "stannis", "prepare", "--source",
-                    str(digits), "--out", str(split), "--csds", "4"],
-                   check=True, env=mpirun_env(), cwd=ROOT, timeout=120, capture_output=True)
+    shutil.copytree(stannis_split, split)
     ds = native.open_dataset(split / "csd1")
     record = int(np.random.default_rng(1).permutation(len(ds))[nth])
     ds.close()
@@ -168,9 +165,9 @@ def _damaged_csd1(digits: Path, tmp_path: Path, nth: int) -> tuple[Path, int]:
 
 
 @pytest.mark.timeout(300)
-def test_damaged_record_on_a_csd_stops_stannis(digits, tmp_path):
+def test_damaged_record_on_a_csd_stops_stannis(stannis_split, tmp_path):
     # the 81st is read at step 3 or 4 (about 25 records a step with equal batches)
-    split, record = _damaged_csd1(digits, tmp_path, 80)
+    split, record = _damaged_csd1(stannis_split, tmp_path, 80)
     log = tmp_path / "stannis.h5"
     result = run_mpi(5, ["-m", "stannis", "train", "--quiet", "--config", str(STANNIS),
                          "--log", str(log), "--set", f'data.path="{split}"',
@@ -185,9 +182,9 @@ def test_damaged_record_on_a_csd_stops_stannis(digits, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_damaged_record_in_the_benchmark_phase_stops_stannis(digits, tmp_path):
+def test_damaged_record_in_the_benchmark_phase_stops_stannis(stannis_split, tmp_path):
     """HyperTune's benchmark reads records too: a damaged one stops every rank before a step."""
-    split, record = _damaged_csd1(digits, tmp_path, 5)  # in the warm-up batch
+    split, record = _damaged_csd1(stannis_split, tmp_path, 5)  # in the warm-up batch
     log = tmp_path / "stannis.h5"
     result = run_mpi(5, ["-m", "stannis", "train", "--quiet", "--config", str(STANNIS),
                          "--log", str(log), "--set", f'data.path="{split}"',

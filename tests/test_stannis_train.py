@@ -18,12 +18,8 @@ CONFIG = ROOT / "jobs" / "configs" / "stannis-digits.toml"
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("stannis")
-    subprocess.run([sys.executable, "-m", "stannis", "prepare", "--source", str(root / "digits"),
-                    "--out", str(root / "split"), "--csds", "4"],
-                   check=True, env=mpirun_env(), cwd=ROOT, timeout=120, capture_output=True)
-    return root / "split"
+def data(stannis_split: Path) -> Path:
+    return stannis_split
 
 
 def _train(data: Path, log: Path, *sets: str, inject: tuple[str, ...] = (), ulfm: bool = False,
@@ -162,7 +158,8 @@ def test_a_send_past_the_audited_communicator_is_caught_by_mpis_own_count(
 
 
 @pytest.mark.timeout(300)
-def test_slow_csds_trigger_retune_and_killed_csd_is_dropped(data: Path, tmp_path: Path) -> None:
+def test_slow_csds_trigger_retune_and_killed_csd_is_dropped(data: Path, assert_csd_dropped,
+                                                            tmp_path: Path) -> None:
     log = tmp_path / "faults.h5"
     # Every CSD slowed 4x from step 10 (a CSD that already has the minimum batch
     # cannot shed work, so one slowed CSD alone would not always show a re-tune).
@@ -177,14 +174,7 @@ def test_slow_csds_trigger_retune_and_killed_csd_is_dropped(data: Path, tmp_path
                     if 10 < e["step"] <= 30 and "imbalance" in e["detail"]["reason"]
                     and sum(e["detail"]["new"][1:]) < sum(e["detail"]["old"][1:])]
     assert slow_retunes, [e["detail"] for e in run.events_of("retune")]
-    dropped = run.events_of("csd_dropped")
-    assert [e["rank"] for e in dropped] == [3]
-    split = json.loads((data / "split.json").read_text())
-    assert dropped[0]["detail"]["samples_lost"] == split["records"]["csd3"]
-    after = [e for e in run.events_of("retune") if "dropped" in e["detail"]["reason"]]
-    assert after and len(after[0]["detail"]["new"]) == 4
-    assert sum(after[0]["detail"]["new"]) == 128  # survivors take over the global batch
-    assert len(run.ranks[3]["step"]) < 45 and len(run.ranks[4]["step"]) == 45
+    assert_csd_dropped(run, 3, 45)
 
 
 def _pid_of_rank(rank: int, marker: str) -> int | None:

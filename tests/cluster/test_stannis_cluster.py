@@ -8,14 +8,12 @@ the one-host emulation, so ``csd.slowdown`` is 1. Nothing asserts timings.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mpipipe import testbed
-from mpipipe.launch import ROOT, mpirun_env, run_mpi
+from mpipipe.launch import ROOT, run_mpi
 from mpipipe.runlog import open_log
 
 # The host first, so it gets rank 0 (Stannis's host rank); CSD k is rank k.
@@ -41,18 +39,10 @@ CONFIG = ROOT / "jobs" / "configs" / "stannis-digits.toml"
 STEPS = 30
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("stannis")
-    subprocess.run([sys.executable, "-m", "stannis", "prepare", "--source", str(root / "digits"),
-                    "--out", str(root / "split"), "--csds", "4"],
-                   check=True, env=mpirun_env(), cwd=ROOT, timeout=120, capture_output=True)
-    return root / "split"
-
-
 @pytest.mark.timeout(600)
-def test_csd_node_killed_is_dropped_retuned_and_the_run_completes(bed: testbed.Testbed, data: Path,
-                                                                  tmp_path: Path) -> None:
+def test_csd_node_killed_is_dropped_retuned_and_the_run_completes(bed: testbed.Testbed, stannis_split: Path,
+                                                                  assert_csd_dropped, tmp_path: Path) -> None:
+    data = stannis_split
     log = tmp_path / "stannis-node-kill.h5"
     cmd = ["-m", "stannis", "train", "--config", str(CONFIG), "--log", str(log),
            "--set", f'data.path="{data}"', "--set", f"run.steps={STEPS}", "--set", "run.eval_every=0",
@@ -65,12 +55,5 @@ def test_csd_node_killed_is_dropped_retuned_and_the_run_completes(bed: testbed.T
     assert int(run.steps["step"][-1]) == STEPS
     fired = run.events_of("fault_injected")
     assert [(e["rank"], e["detail"]["fault"]) for e in fired] == [(3, "node-kill:node=csd3:step=15")]
-    dropped = run.events_of("csd_dropped")
-    assert [e["rank"] for e in dropped] == [3]
-    split = json.loads((data / "split.json").read_text())
-    assert dropped[0]["detail"]["samples_lost"] == split["records"]["csd3"]
-    after = [e for e in run.events_of("retune") if "dropped" in e["detail"]["reason"]]
-    assert after and len(after[0]["detail"]["new"]) == 4
-    assert sum(after[0]["detail"]["new"]) == sum(after[0]["detail"]["old"])  # survivors take the batch
-    assert len(run.ranks[3]["step"]) < STEPS and len(run.ranks[4]["step"]) == STEPS
+    assert_csd_dropped(run, 3, STEPS)
     assert testbed.current() is not None  # only the node's processes died, not the testbed
