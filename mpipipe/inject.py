@@ -279,7 +279,9 @@ def check_nodes(faults: Sequence[Fault], hosts: Sequence[str], plan: LaunchPlan 
         FaultError: the first node fault that cannot fire, named, with the reason.
     """
     global _hosts
-    _hosts = tuple(hosts)
+    # A spare rank never reaches a step, so it cannot fire a fault: it counts as on no node.
+    spare = {r for r in range(len(hosts)) if plan is not None and plan.role_of(r).kind == "spare"}
+    _hosts = tuple("" if r in spare else h for r, h in enumerate(hosts))
     nodes = [f for f in faults if f.node is not None]
     if not nodes:
         return
@@ -292,8 +294,9 @@ def check_nodes(faults: Sequence[Fault], hosts: Sequence[str], plan: LaunchPlan 
         raise _never(nodes[0], f"the ranks run on {where}, not on the nodes of a testbed that is up; "
                                f"node faults need one (python -m mpipipe.testbed, docs/testbed.md)")
     for f in nodes:
-        if firing_rank(f.node, hosts) is None:  # type: ignore[arg-type]
-            raise _never(f, f"no rank runs on node mpt-{f.node} (the ranks run on "
+        if firing_rank(f.node, _hosts) is None:  # type: ignore[arg-type]
+            only = " but spare ones" if any(hosts[r] == "mpt-" + f.node for r in spare) else ""
+            raise _never(f, f"no rank{only} runs on node mpt-{f.node} (the ranks run on "
                             f"{', '.join(sorted(set(hosts)))})")
         lost = [r for r, h in enumerate(hosts) if h == "mpt-" + f.node]
         vital = [r for r in lost if plan is not None and plan.role_of(r).kind == "host"]

@@ -94,3 +94,18 @@ def test_stannis_takes_a_node_kill_and_refuses_a_partition() -> None:
     with pytest.raises(PlanError, match=r"^fault partition:node=csd1:step=5:seconds=10: Stannis finds a "
                                         r"lost CSD by ULFM only .*use node-kill:node=csd1:step=5$"):
         stannis_plan(cfg, 5)
+
+
+def test_a_spare_rank_never_fires_a_node_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpipipe import testbed
+    from mpipipe.roles import LaunchPlan, Role
+
+    bed = testbed.Testbed(tuple(testbed.Node(n, 0.5, 100.0, 2) for n in ("a", "b")),
+                          testbed.ipaddress.IPv4Network("10.213.0.0/24"))
+    monkeypatch.setattr(testbed, "current", lambda: bed)
+    plan = LaunchPlan((Role("stage", 0), Role("stage", 1), Role("spare", 0)))
+    check_nodes([parse("node-kill:node=a:step=5")], ["mpt-a", "mpt-b", "mpt-a"], plan)
+    assert firing_rank("a") == 0
+    with pytest.raises(FaultError, match=r"^fault node-kill:node=b:step=5: no rank but spare ones runs on "
+                                         r"node mpt-b \(the ranks run on mpt-a, mpt-b\); it would never fire$"):
+        check_nodes([parse("node-kill:node=b:step=5")], ["mpt-a", "mpt-a", "mpt-b"], plan)
