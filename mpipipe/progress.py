@@ -23,23 +23,37 @@ from typing import Any, TextIO
 __all__ = ["Progress", "throughput", "THROUGHPUT", "plain_lines", "startup_line", "event_line"]
 
 THROUGHPUT = ("samples/s = samples of steps 2..n / wall seconds from the end of step 1 to the "
-              "end of step n (the log's time column: evaluations and checkpoints included)")
+              "end of step n (the log's time column: evaluations and checkpoints included; a "
+              "resumed run's sessions each leave their first step out, and the time between "
+              "them is not counted)")
 
 
-def throughput(times: Sequence[float], samples: Sequence[float]) -> float:
+def throughput(times: Sequence[float], samples: Sequence[float], steps: Sequence[int] | None = None,
+               resumed_at: Iterable[int] = ()) -> float:
     """The run's throughput in samples per second of wall time (see :data:`THROUGHPUT`).
 
     ``times`` and ``samples`` are the ``/steps`` columns ``time`` and ``samples``
     of the log, in row order. Step 1 is left out because it carries start-up
     (first allocations, the pipeline filling). NaN with fewer than two steps.
+    A resumed run's log holds sessions (``steps``: the step column; ``resumed_at``:
+    the steps of its ``resume`` events): each session's first row is left out as
+    step 1 is, and the wall time between sessions (the run was not running) is not
+    counted, so the figure is the same in the resumed run's summary and the report.
     Why one definition: a user compares the summary, the progress line and the
     report, and three figures that differ are three figures nobody trusts.
     """
-    if len(times) < 2:
-        return math.nan
-    span = float(times[-1]) - float(times[0])
-    done = sum(float(s) for s in list(samples)[1:] if s is not None and not math.isnan(float(s))
-               and float(s) >= 0)
+    starts = {0}
+    if steps is not None:
+        firsts = {int(r) + 1 for r in resumed_at}
+        starts |= {i for i, st in enumerate(steps) if int(st) in firsts}
+    bounds = [*sorted(starts), len(times)]
+    span = done = 0.0
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        if b - a < 2:
+            continue
+        span += float(times[b - 1]) - float(times[a])
+        done += sum(float(x) for x in list(samples)[a + 1:b] if x is not None and not math.isnan(float(x))
+                    and float(x) >= 0)
     return done / span if span > 0 else math.nan
 
 

@@ -149,7 +149,8 @@ def throughput(run: RunData) -> float:
     (samples of steps 2..n over the wall seconds from step 1 to step n)."""
     t = _float(run.steps.get("time", np.array([])))
     s = _float(run.steps.get("samples", np.array([])))
-    return _throughput(t.tolist(), s.tolist())
+    steps = run.steps.get("step", np.arange(1, len(t) + 1))
+    return _throughput(t.tolist(), s.tolist(), steps.tolist(), [e["step"] for e in run.events_of("resume")])
 
 
 def first_step_time(run: RunData) -> float:

@@ -46,7 +46,6 @@ from .data import DataFault
 from .inject import Fault, FaultPlan
 from .lr import set_rate_for_step
 from .pipeline import SHADOW_GRAD_MICRO, Have, Pipeline, Route, stage_consumers
-from .progress import throughput
 from .replica import pack_state, replica_numel, unpack_state
 from .runlog import LogError
 from .stop import ControlStop, StopRun
@@ -1826,8 +1825,7 @@ def train(run: Any) -> int:
             "steps": result["steps"],
             # the file's rows: a writer that took over has not seen the first ones itself
             # (its own rows only if the file is not open yet: the old writer holds it)
-            "samples_per_s": throughput(log.written("time"), log.written("samples"))
-            if len(log.written("time")) else progress.samples_per_s,
+            "samples_per_s": log.throughput() if len(log.written("time")) else progress.samples_per_s,
             "final_loss": result["loss"],
             "test_accuracy": result["accuracy"],
             "takeovers": result["takeovers"],

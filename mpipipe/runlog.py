@@ -467,6 +467,17 @@ class RunLog:
             return np.array([])
         return self._file[group][name][()]
 
+    def throughput(self) -> float:
+        """:func:`mpipipe.progress.throughput` of this writer's file as it holds it now, its
+        ``resume`` events included (NaN where this rank's file is not open): the figure the
+        report will give, so that a resumed run's summary says the same."""
+        from .progress import throughput
+
+        kinds = [k.decode() if isinstance(k, bytes) else str(k) for k in self.written("kind", "events")]
+        resumed = [int(st) for k, st in zip(kinds, self.written("step", "events"), strict=True)
+                   if k == "resume"]
+        return throughput(self.written("time"), self.written("samples"), self.written("step"), resumed)
+
     def close(self, status: str = "completed", wait_s: float = 30.0) -> str:
         """Mark the run finished (``completed`` or ``failed: why``) and close the file.
 

@@ -14,7 +14,7 @@ from . import stop
 from .cli import Run, add_train_arguments, gather_figures, planned_steps, start_run
 from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from .lr import set_rate_for_step
-from .roles import pipeline_plan
+from .roles import fail_fast, pipeline_plan
 
 # torch, the engine and the data reader are imported where used, so that a wrong
 # configuration is reported before any rank pays for importing torch.
@@ -227,6 +227,11 @@ def setup(run: Run) -> Setup:
         agree(run, error)  # every rank stops with the same line, none waits for another
         setup_.start_step = comm.bcast(state.step if state is not None else None,
                                        root=route.ranks[0])
+        if setup_.start_step >= total:  # before any record: the old log stays as it was
+            fail_fast(comm, f"--resume {run.args.resume}: its checkpoints are of step "
+                            f"{setup_.start_step}, and this run ends at step {total} (run.steps / "
+                            f"run.epochs): nothing to resume; give more steps to train further",
+                      run.prog, run.rank)
         pipe.step_count = setup_.start_step
         run.log.cut_after(setup_.start_step)  # a continued log: those steps run again
         run.log.event("resume", step=setup_.start_step, directory=str(run.args.resume))
@@ -406,7 +411,8 @@ def train(run: Run) -> int:
         accuracy = evaluate(s)
     summary = {
         "steps": s.total_steps,
-        "samples_per_s": progress.samples_per_s,  # mpipipe.progress.throughput of the log's rows
+        # mpipipe.progress.throughput of the log's rows (of this session's without a log)
+        "samples_per_s": log.throughput() if log.active else progress.samples_per_s,
         "final_loss": loss,
         "test_accuracy": accuracy,
         "log": str(log.path) if log.active else "",

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import native
+from mpipipe import report
 from mpipipe.launch import ROOT, kill_job, run_mpi, start_mpi
 from mpipipe.runlog import open_log
 from native.reader import read_all
@@ -258,11 +259,30 @@ def test_sigusr1_to_mpirun_stops_the_pipeline_at_a_step_with_a_resumable_checkpo
     rest = words[6:]
     rest[rest.index("run.steps=2000")] = f"run.steps={step + 3}"
     rest[rest.index(str(log))] = str(tmp_path / "second.h5")
+    own = rest.index(f'run.checkpoint_dir="{ckpt}"')
+    rest[own] = f'run.checkpoint_dir="{tmp_path / "ckpt2"}"'  # keep ckpt for the next one
     again = run_mpi(3, ["-m", "mpipipe", *rest], timeout=200)
     assert again.returncode == 0, again.stderr[-3000:]
     second = open_log(tmp_path / "second.h5")
     assert second.attrs["status"] == "completed"
     assert list(second.steps["step"]) == [step + 1, step + 2, step + 3]
+    # Into its own log: one row a step, and one throughput in the summary and the report,
+    # the time between the two sessions left out.
+    rest[rest.index(str(tmp_path / "second.h5"))] = str(log)
+    rest[own] = f'run.checkpoint_dir="{ckpt}"'
+    again = run_mpi(3, ["-m", "mpipipe", *rest], timeout=200)
+    assert again.returncode == 0, again.stderr[-3000:]
+    first = open_log(log)
+    assert first.attrs["status"] == "completed"
+    assert list(first.steps["step"]) == list(range(1, step + 4))
+    summary = json.loads(first.attrs["summary"])["samples_per_s"]
+    assert summary == pytest.approx(report.throughput(report.load_run(log)), rel=1e-9)
+    # A checkpoint at the run's last step: nothing to resume, said in one line; log untouched.
+    before = log.read_bytes()
+    nothing = run_mpi(3, ["-m", "mpipipe", *rest], timeout=200)
+    assert nothing.returncode == 2, nothing.stderr[-3000:]
+    assert nothing.stderr.count("error:") == 1 and "nothing to resume" in nothing.stderr, nothing.stderr
+    assert log.read_bytes() == before
 
 
 @pytest.mark.timeout(600)

@@ -429,6 +429,22 @@ def test_throughput_is_the_same_figure_in_progress_and_report(tmp_path: Path) ->
     assert math.isnan(throughput([1.0], [64]))  # one step: no figure rather than a different one
 
 
+def test_a_resumed_log_counts_neither_the_gap_nor_each_sessions_first_step(tmp_path: Path) -> None:
+    from mpipipe.progress import throughput
+
+    path = tmp_path / "resumed.h5"
+    log = RunLog(path, system="mpipipe", config={}, comm_size=3)
+    for step, t in zip(range(1, 4), (1.0, 2.0, 3.0), strict=True):
+        log.step(step, time=t, loss=1.0, samples=10, samples_per_s=10.0)
+    log.event("resume", step=3, rank=-1, time=50.0, directory="ckpt")  # 47 s later
+    for step, t in zip(range(4, 7), (51.0, 52.5, 54.0), strict=True):
+        log.step(step, time=t, loss=1.0, samples=10, samples_per_s=10.0)
+    assert log.throughput() == pytest.approx(40 / (2.0 + 3.0), rel=1e-12)  # steps 2, 3, 5, 6
+    log.close()
+    assert report.throughput(report.load_run(path)) == pytest.approx(8.0, rel=1e-12)
+    assert throughput([1.0, 2.0, 3.0, 51.0], [10, 10, 10, 10]) == pytest.approx(30 / 50.0)  # no sessions
+
+
 def test_event_labels_never_overlap_and_cost_model_is_not_a_fault(tmp_path: Path) -> None:
     import matplotlib
 
