@@ -228,7 +228,7 @@ def start_run(
         log = RunLog.null(where, start, system=system)
     from . import stop
 
-    stop.install()  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.stop)
+    stop.install(hosts)  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.stop)
     if total > 0:
         log.expect_steps(1, total)
     progress = Progress(total, enabled=(rank == writer), quiet=args.quiet,

@@ -32,6 +32,7 @@ __all__ = ["StopRun", "install", "requested", "agree", "agree_code", "stop_from"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 NONE, SIGNAL, DATA = 0, 1, 2  # stop codes, the larger wins when ranks disagree
 _requested: str | None = None
+_hosts: tuple[str, ...] = ()  # every rank's host, recorded by install()
 
 
 class StopRun(Exception):  # noqa: N818 - it is a request to stop, not an error of the caller
@@ -66,13 +67,15 @@ def _handler(signum: int, frame: Any) -> None:
         _requested = signal.Signals(signum).name
 
 
-def install() -> None:
+def install(hosts: tuple[str, ...] | list[str] = ()) -> None:
     """Turn SIGINT, SIGTERM and SIGUSR1 into a stop request at the next step boundary.
 
     Why not the default: the default kills the rank in the middle of a step, so the
     others wait for it until a deadline, the log says ``running`` and nothing
     since the last checkpoint is kept. Only the main thread may install handlers.
     """
+    global _hosts
+    _hosts = tuple(hosts)  # for resume_command: one host with more ranks than cores?
     for s in STOP_SIGNALS:
         signal.signal(s, _handler)
 
@@ -120,8 +123,10 @@ def resume_command(directory: str | Path, argv: list[str] | None = None, *,
 
     The run's own arguments, with ``--resume`` replaced and ``--overwrite`` left out
     (it would replace the log the resumed run continues), under ``mpirun -n SIZE``
-    (plus ``--with-ft ulfm`` when this run has it). SIZE is the whole MPI world,
-    spare ranks included, unless given: the command relaunches the whole job.
+    (plus ``--with-ft ulfm`` when this run has it, and ``--oversubscribe`` when its
+    ranks all ran on one host with fewer cores than ranks: mpirun refuses that
+    without it). SIZE is the whole MPI world, spare ranks included, unless given:
+    the command relaunches the whole job.
     """
     from . import ft
 
@@ -141,7 +146,9 @@ def resume_command(directory: str | Path, argv: list[str] | None = None, *,
             skip = True
         elif a != "--overwrite" and not a.startswith("--resume="):
             rest.append(a)
-    mpirun = ["mpirun"] + (["--with-ft", "ulfm"] if ft.ulfm_enabled() else []) + ["-n", str(size)]
+    crowded = len(set(_hosts)) == 1 and size > (os.cpu_count() or 1)
+    mpirun = ["mpirun"] + (["--with-ft", "ulfm"] if ft.ulfm_enabled() else []) + \
+        (["--oversubscribe"] if crowded else []) + ["-n", str(size)]
     return shlex.join([*mpirun, "python", "-m", module, *rest, "--resume", str(directory)])
 
 
