@@ -436,6 +436,26 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
 # ------------------------------------------------------------------ output
 
 
+def plot(times: Times, figures: dict[str, Any], out: Path) -> Path | None:
+    """The trade-off PNG: every ResPipe grid point's overhead over the plain pipeline at its rate."""
+    from mpipipe.report import plot_tradeoff
+
+    rows = []
+    for (mode, r, rate), ts in sorted(times.items()):
+        base = times.get(("plain", 0, rate))
+        if mode == "plain" or not base:
+            continue
+        rows.append({"mode": mode, "R": r, "link_mbit": rate, "overhead": median(ts) / median(base) - 1,
+                     "lost_updates": costmodel.lost_updates(r, mode)})
+    if not rows:
+        return None
+    lost = [("cold", R, float(x)) for x in figures.get("lost_updates_node_kill", []) if x is not None]
+    return plot_tradeoff(rows, out, measured_lost=lost,
+                         title=f"ResPipe on the testbed: LeNet/digits in 3 stages, {CPU:g} core per node "
+                               f"(bench/cluster.py{' --quick' if figures['size'] == 'quick' else ''}, "
+                               f"{time.strftime('%Y-%m-%d')})")
+
+
 def verdict(key: str, value: Any) -> str:
     """'met', 'NOT MET' or 'no figure' against the issue's target; '' for keys without one."""
     if key not in TARGETS:
@@ -537,12 +557,14 @@ def main(argv: list[str] | None = None) -> int:
             figures = measure(args, work)
         finally:
             testbed.down()
-    times = figures.pop("_times")
+    times = {tuple(k.split("/")): v for k, v in figures.pop("_times").items()}
+    png = plot({(m, int(r), float(rate)): v for (m, r, rate), v in times.items()}, figures, Path(args.plot))
+    figures["plot"] = str(png) if png else None
     if args.json:
         print(json.dumps(figures))
     else:
         print_table(figures, args)
-    del times
+        print(f"  plot: {png}")
     return 0
 
 
