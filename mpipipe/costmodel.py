@@ -290,16 +290,25 @@ def link_bytes(
     return {role: (sent, received) for role, (sent, received) in out.items()}
 
 
-def step_seconds(links: Mapping[str, tuple[float, float]], *, link_mbit: float,
-                 compute_s: float) -> float:
-    """The cost model turned into time: compute, plus the busiest link's bytes at its rate.
+def step_seconds(links: Mapping[str, tuple[float, float]], *, link_mbit: float, compute_s: float,
+                 critical: Mapping[str, tuple[float, float]] | None = None) -> float:
+    """The cost model turned into time: compute, plus bytes at the link rate.
 
     Why: the bytes of :func:`link_bytes` say nothing about time until a link rate is
-    given; on a testbed every node's link runs at ``link_mbit`` in each direction (sent
-    and received are shaped apart), so a step lasts at least its compute and the time
-    the most loaded direction of one link needs. Communication is taken not to overlap
-    compute (an upper reading of a pipeline that waits for its inputs). Payload bytes,
-    10^6 bits per Mbit.
+    given. On a testbed every node's link runs at ``link_mbit`` in each direction (sent
+    and received are shaped apart), so what counts is the most loaded direction of one
+    link. Two readings:
+
+    - ``critical`` not given: compute plus the busiest link's bytes of ``links`` at the
+      rate, as if nothing overlapped (every byte waited for);
+    - ``critical`` given (the plain pipeline's :func:`link_bytes`: activations, their
+      gradients, labels, which a stage waits for): compute plus the busiest link's
+      critical bytes, or the busiest link's bytes of ``links`` at the rate if that is
+      longer. The rest (replicas, hot relays) is sent without waiting for the receiver
+      and drains while the stages compute, so it costs time only once a link is busier
+      than the step is long.
+
+    Payload bytes, 10^6 bits per Mbit.
 
     Raises:
         ValueError: a link rate that is not positive, or negative compute.
@@ -308,8 +317,13 @@ def step_seconds(links: Mapping[str, tuple[float, float]], *, link_mbit: float,
         raise ValueError(f"link_mbit = {link_mbit}: a link rate must be > 0 Mbit/s")
     if compute_s < 0:
         raise ValueError(f"compute_s = {compute_s}: compute time cannot be negative")
-    busiest = max((max(sent, received) for sent, received in links.values()), default=0.0)
-    return compute_s + busiest * 8 / (link_mbit * 1e6)
+
+    def busiest(bytes_by_role: Mapping[str, tuple[float, float]]) -> float:
+        return max((max(s, r) for s, r in bytes_by_role.values()), default=0.0) * 8 / (link_mbit * 1e6)
+
+    if critical is None:
+        return compute_s + busiest(links)
+    return max(compute_s + busiest(critical), busiest(links))
 
 
 def _size(n: float) -> str:

@@ -149,6 +149,11 @@ def test_step_seconds_is_compute_plus_the_busiest_direction_at_the_link_rate():
     links = {"stage 0": (1e6, 2.5e6), "stage 1": (2e6, 0.5e6)}
     assert costmodel.step_seconds(links, link_mbit=20, compute_s=0.1) == pytest.approx(0.1 + 1.0)
     assert costmodel.step_seconds({}, link_mbit=20, compute_s=0.1) == 0.1
+    # Overlapped: the critical bytes add to compute; the rest counts once a link outlasts the step.
+    critical = {"stage 0": (0.25e6, 0.0)}
+    assert costmodel.step_seconds(links, link_mbit=20, compute_s=0.1, critical=critical) == pytest.approx(1.0)
+    assert costmodel.step_seconds(links, link_mbit=20, compute_s=1.5, critical=critical) == \
+        pytest.approx(1.5 + 0.1)
     with pytest.raises(ValueError, match="link_mbit"):
         costmodel.step_seconds(links, link_mbit=0, compute_s=0.1)
 
