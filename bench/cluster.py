@@ -19,10 +19,13 @@ median is reported. A step time is the mean time per step of a run after its fir
   nodes of their own) over the plain pipeline on the same nodes at 100 Mbit/s, step time
   ratio minus 1, per repeat (interleaved: plain, cold, hot), median; *_spread max - min.
 - cost_time_error: mpipipe.costmodel.link_bytes (each rank's bytes per step) turned into
-  time by costmodel.step_seconds (compute + busiest link's bytes / rate). Compute is the
-  plain pipeline's step time on the fastest link of the grid minus its predicted link
-  time (one calibration run); every ResPipe run of the grid (rates x R x cold/hot) is a
+  time by costmodel.step_seconds: compute + the busiest link's activation and gradient
+  bytes / rate, or the busiest link's bytes / rate if longer (replicas and hot relays
+  are sent without waiting and drain while the stages compute). Compute is the plain
+  pipeline's step time on the fastest link of the grid minus its predicted link time
+  (one calibration run); every ResPipe run of the grid (rates x R x cold/hot) is a
   prediction, and the figure is the worst |predicted / measured - 1|.
+  cost_time_error_serial: the same with every byte added to compute (no overlap).
 - recovery_s_node_kill: node n1 (stage 1) killed whole (node-kill) at a step halfway
   between two replicas (R=10, cold): the run's takeover_recovered recovery_s, median.
 - restart_vs_respipe: the same node kill against the plain pipeline as users run it
@@ -510,7 +513,9 @@ def print_table(figures: dict[str, Any], args: argparse.Namespace) -> None:
                   f"{1e3 * r['predicted_s']:>14.1f}{r['error']:>+8.1%}{1e3 * r['serial_s']:>11.1f}"
                   f"{r['serial_error']:>+8.1%}")
     for key in ("overhead_r10_runs", "overhead_hot_runs", "recovery_s_runs", "lost_updates_node_kill",
-                "time_lost_respipe_runs", "time_lost_restart_runs", "restart_first_run", "link_mbit_measured"):
+                "time_lost_respipe_runs", "time_lost_restart_runs", "restart_first_run", "link_mbit_measured",
+                "stannis_tuned_sps", "stannis_ship_runs", "stannis_host_only_sps", "stannis_equal_sps",
+                "stannis_ideal_sps", "stannis_tuned_plan", "stannis_invalid"):
         if key in figures:
             print(f"  {key}: {figures[key]}")
     for line in figures.get("failed", []):
