@@ -65,3 +65,22 @@ def test_a_dry_plan_logs_a_node_fault_and_does_nothing() -> None:
     for step in range(6):
         assert plan.at_step(step) == 0.0
     assert fired == [("node-kill:node=b:step=3", 3), ("partition:node=b:step=4:seconds=9", 4)]
+
+
+def test_a_relaunch_can_be_kept_to_some_testbed_nodes_in_order() -> None:
+    """run_mpi(nodes=...): mpirun's --host picks the nodes (a spare for a dead one), with their slots."""
+    import ipaddress
+
+    from mpipipe.launch import mpirun_command
+    from mpipipe.testbed import Node, Testbed, TestbedError
+
+    bed = Testbed((Node("a", 0.5, 100), Node("b", 0.5, 100), Node("c", 0.5, 100, slots=2)),
+                  ipaddress.IPv4Network("10.213.0.0/24"))
+    cmd = mpirun_command(3, "-m", "x", testbed=bed, nodes=["c", "mpt-a"])
+    assert cmd[cmd.index("--host") + 1] == "mpt-c:2,mpt-a:1"
+    assert "--hostfile" in cmd and "--oversubscribe" not in cmd
+    assert "--host" not in mpirun_command(3, "-m", "x", testbed=bed)
+    with pytest.raises(TestbedError, match="no node 'd'"):
+        mpirun_command(3, "-m", "x", testbed=bed, nodes=["d"])
+    with pytest.raises(TestbedError, match="give the testbed"):
+        mpirun_command(3, "-m", "x", nodes=["a"])
