@@ -35,7 +35,8 @@ median is reported. A step time is the mean time per step of a run after its fir
   the run log (a resumed log keeps one time axis; the start-up both runs share is not in
   it, the relaunch's is) minus the failure-free span of the same job. Figure = median
   baseline time lost / median ResPipe time lost (ResPipe: kill run's span minus the
-  failure-free cold R=10 runs' median span).
+  failure-free cold R=10 runs' median span). restart_vs_respipe_paced (context): the
+  same ratio with each run's loss taken against its own pace (paced_loss_s).
 - stannis_vs_ship / stannis_tuned_vs_ideal: see bench/stannis.py's worker, here on a
   host node (1 core, 1000 Mbit/s) and 4 CSD nodes (an eighth of a core, 100 Mbit/s) with
   no modelled slow-down (csd.emulated = false): the CPU quota is the CSD's speed.
@@ -575,6 +576,17 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return figures
 
 
+def _no_nan(value: Any) -> Any:
+    """A figure that could not be measured is null in the JSON line (NaN is not JSON)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON line")
@@ -605,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     png = plot({(m, int(r), float(rate)): v for (m, r, rate), v in times.items()}, figures, Path(args.plot))
     figures["plot"] = str(png) if png else None
     if args.json:
-        print(json.dumps(figures))
+        print(json.dumps(_no_nan(figures), allow_nan=False))
     else:
         print_table(figures, args)
         print(f"  plot: {png}")
