@@ -42,6 +42,9 @@ __all__ = [
     "state_bytes",
     "stage_shapes",
     "trade_off",
+    "link_bytes",
+    "step_seconds",
+    "shapes_from_config",
     "format_table",
     "MODES",
 ]
@@ -235,6 +238,94 @@ def trade_off(
     return rows
 
 
+def link_bytes(
+    stages: Sequence[StageShape],
+    *,
+    batch_size: int,
+    backups: Mapping[int, int] | None = None,
+    replicate_every: int = 1,
+    mode: str = "cold",
+    label_bytes: int = 0,
+    input_bytes: int = 0,
+) -> dict[str, tuple[float, float]]:
+    """Average payload bytes per step that each rank sends and receives, by rank role.
+
+    Why: a testbed gives every rank a node with a link of its own, so what limits a
+    step is the busiest link, not the sum over all of them (:func:`predict`). The
+    roles are ``stage K``, ``backup K.I`` (cold and hot: the I-th backup of stage K on
+    a node of its own). In neighbour mode stage k-1 holds stage k's replica (stage 1
+    holds stage 0's), as ResPipe places it. The sends of all roles add up to
+    :func:`predict`'s ``total``.
+
+    Raises:
+        ValueError: as :func:`predict`.
+    """
+    backups = {int(k): int(v) for k, v in (backups or {}).items() if int(v) > 0}
+    _check(stages, backups, replicate_every, mode, batch_size)
+    k_last = len(stages) - 1
+    out: dict[str, list[float]] = {f"stage {k}": [0.0, 0.0] for k in range(len(stages))}
+
+    def move(src: str, dst: str, n: float) -> None:
+        out.setdefault(src, [0.0, 0.0])[0] += n
+        out.setdefault(dst, [0.0, 0.0])[1] += n
+
+    for k in range(k_last):
+        act = batch_size * stages[k].act_out
+        move(f"stage {k}", f"stage {k + 1}", act)  # activations forward
+        move(f"stage {k + 1}", f"stage {k}", act)  # their gradients back
+    if k_last > 0 and label_bytes:
+        move("stage 0", f"stage {k_last}", batch_size * label_bytes)
+    for k, count in sorted(backups.items()):
+        replica = stages[k].replica / replicate_every
+        if mode == "neighbour":
+            if k_last > 0:
+                move(f"stage {k}", f"stage {k - 1 if k > 0 else 1}", replica)
+            continue
+        act_in = stages[k - 1].act_out if k > 0 else input_bytes
+        act_out = stages[k].act_out if k < k_last else 0
+        for i in range(count):
+            move(f"stage {k}", f"backup {k}.{i}", replica)
+            if mode == "hot":
+                move(f"stage {k}", f"backup {k}.{i}", batch_size * (act_in + act_out))
+    return {role: (sent, received) for role, (sent, received) in out.items()}
+
+
+def step_seconds(links: Mapping[str, tuple[float, float]], *, link_mbit: float, compute_s: float,
+                 critical: Mapping[str, tuple[float, float]] | None = None) -> float:
+    """The cost model turned into time: compute, plus bytes at the link rate.
+
+    Why: the bytes of :func:`link_bytes` say nothing about time until a link rate is
+    given. On a testbed every node's link runs at ``link_mbit`` in each direction (sent
+    and received are shaped apart), so what counts is the most loaded direction of one
+    link. Two readings:
+
+    - ``critical`` not given: compute plus the busiest link's bytes of ``links`` at the
+      rate, as if nothing overlapped (every byte waited for);
+    - ``critical`` given (the plain pipeline's :func:`link_bytes`: activations, their
+      gradients, labels, which a stage waits for): compute plus the busiest link's
+      critical bytes, or the busiest link's bytes of ``links`` at the rate if that is
+      longer. The rest (replicas, hot relays) is sent without waiting for the receiver
+      and drains while the stages compute, so it costs time only once a link is busier
+      than the step is long.
+
+    Payload bytes, 10^6 bits per Mbit.
+
+    Raises:
+        ValueError: a link rate that is not positive, or negative compute.
+    """
+    if link_mbit <= 0:
+        raise ValueError(f"link_mbit = {link_mbit}: a link rate must be > 0 Mbit/s")
+    if compute_s < 0:
+        raise ValueError(f"compute_s = {compute_s}: compute time cannot be negative")
+
+    def busiest(bytes_by_role: Mapping[str, tuple[float, float]]) -> float:
+        return max((max(s, r) for s, r in bytes_by_role.values()), default=0.0) * 8 / (link_mbit * 1e6)
+
+    if critical is None:
+        return compute_s + busiest(links)
+    return max(compute_s + busiest(critical), busiest(links))
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -300,7 +391,7 @@ def cost_main(args: Any) -> int:
             raise ConfigError(f"--modes must name {', '.join(MODES)} and --r positive integers")
         k = cfg["pipeline"]["stages"]
         backups = _backup_counts(cfg["resilience"]["backups"], k)
-        shapes, in_bytes, balance, note = _shapes_from_config(cfg, args.in_shape)
+        shapes, in_bytes, balance, note = shapes_from_config(cfg, args.in_shape)
     except (ConfigError, PlanError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -324,9 +415,14 @@ def cost_main(args: Any) -> int:
     return 0
 
 
-def _shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None
-                        ) -> tuple[list[StageShape], int, list[int], str]:
-    """Build the model of ``cfg`` and cut it as the run would (by parameters when automatic)."""
+def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
+                       ) -> tuple[list[StageShape], int, list[int], str]:
+    """Build the model of ``cfg`` and cut it as the run would (by parameters when automatic).
+
+    Returns the stages' shapes, the input's bytes per sample, the balance and a note
+    (non-empty when the run may cut elsewhere). ``in_shape_arg`` is "C,H,W" when the
+    data set is not there to read the shape from.
+    """
     import torch
 
     from .models import build_model

@@ -40,24 +40,35 @@ def mpirun_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def mpirun_command(n: int, *argv: str, ulfm: bool = False, python: str = sys.executable,
-                   testbed: Testbed | None = None) -> list[str]:
+                   testbed: Testbed | None = None, nodes: Sequence[str] | None = None) -> list[str]:
     """``mpirun [--with-ft ulfm] --oversubscribe -n N python ARGV...`` with the venv's mpirun.
 
     With a ``testbed``, the ranks run across its nodes instead (see
     :func:`mpipipe.testbed.mpirun_args`): they fill the nodes' slots, and more ranks than
-    slots is an error rather than an oversubscription.
+    slots is an error rather than an oversubscription. ``nodes`` (testbed only) keeps the
+    job to those nodes, in that order, with their slots: e.g. a relaunch on which a spare
+    node stands in for a dead one.
+
+    Raises:
+        TestbedError: ``nodes`` without a testbed, or a node the testbed does not have.
     """
     mpirun = Path(python).parent / "mpirun"
     cmd = [str(mpirun if mpirun.exists() else "mpirun")]
     if ulfm:
         cmd += ["--with-ft", "ulfm"]
     cmd += testbed_mpirun_args(testbed) if testbed is not None else ["--oversubscribe"]
+    if nodes is not None:
+        if testbed is None:
+            raise TestbedError("nodes= picks testbed nodes: give the testbed too")
+        # Open MPI takes --host as the subset of the hostfile to use, in this order.
+        cmd += ["--host", ",".join(f"{testbed.node(n).host}:{testbed.node(n).slots}" for n in nodes)]
     return [*cmd, "-x", "PYTHONPATH", "-n", str(n), python, *argv]
 
 
 def start_mpi(n: int, argv: Sequence[str], *, ulfm: bool = False,
               env: Mapping[str, str] | None = None, cwd: Path = ROOT,
-              testbed: Testbed | None = None, **popen: Any) -> subprocess.Popen:
+              testbed: Testbed | None = None, nodes: Sequence[str] | None = None,
+              **popen: Any) -> subprocess.Popen:
     """Start ``python ARGV`` on ``n`` ranks in a session of its own, so that
     :func:`kill_job` can end every rank (they are not in mpirun's process group).
 
@@ -68,7 +79,7 @@ def start_mpi(n: int, argv: Sequence[str], *, ulfm: bool = False,
     if testbed is not None and current() != testbed:
         raise TestbedError("that testbed is not up; run 'python -m mpipipe.testbed up FILE' "
                            "(or 'run FILE -- CMD') first")
-    return subprocess.Popen(mpirun_command(n, *argv, ulfm=ulfm, testbed=testbed), cwd=cwd,
+    return subprocess.Popen(mpirun_command(n, *argv, ulfm=ulfm, testbed=testbed, nodes=nodes), cwd=cwd,
                             env=mpirun_env(env), start_new_session=True, **popen)
 
 
@@ -110,6 +121,7 @@ def run_mpi(
     env: Mapping[str, str] | None = None,
     cwd: Path = ROOT,
     testbed: Testbed | None = None,
+    nodes: Sequence[str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python ARGV`` on ``n`` ranks and capture its output.
 
@@ -118,7 +130,7 @@ def run_mpi(
             the exception carries what the job printed), so a hang fails the caller
             instead of blocking it or leaving ranks behind.
     """
-    job = start_mpi(n, argv, ulfm=ulfm, env=env, cwd=cwd, testbed=testbed, stdout=subprocess.PIPE,
+    job = start_mpi(n, argv, ulfm=ulfm, env=env, cwd=cwd, testbed=testbed, nodes=nodes, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, text=True)
     try:
         out, err = job.communicate(timeout=timeout)

@@ -26,7 +26,7 @@ from .progress import THROUGHPUT
 from .progress import throughput as _throughput
 from .runlog import LogError, RunData, open_for_reading, open_log
 
-__all__ = ["load_run", "summarize", "compare", "plot_runs", "add_parser", "main"]
+__all__ = ["load_run", "summarize", "compare", "plot_runs", "plot_tradeoff", "add_parser", "main"]
 
 PROG = "mpipipe report"
 
@@ -654,6 +654,71 @@ def plot_runs(runs: Sequence[RunData], out: str | Path) -> list[Path]:
         paths.append(_plot_stannis([runs[i] for i in stannis], [labels[i] for i in stannis],
                                    out / f"{stem}-stannis.png"))
     return paths
+
+
+def plot_tradeoff(rows: Sequence[dict[str, Any]], out: str | Path, *, title: str = "",
+                  measured_lost: Sequence[tuple[str, int, float]] = ()) -> Path:
+    """ResPipe's trade-off on one PNG: failure-free overhead and lost updates against R.
+
+    Why: the replication interval R buys less overhead with more updates a takeover can
+    lose, and how much less depends on the link rate; one figure shows both sides.
+    ``rows`` carry ``mode``, ``R``, ``link_mbit``, ``overhead`` (measured step time over
+    the plain pipeline's, minus 1) and ``lost_updates`` (the cost model's bound for that
+    mode and R); ``measured_lost`` adds (mode, R, lost updates) seen in runs with a fault.
+    Left: overhead against R, one line per mode and link rate. Right: lost updates.
+
+    Raises:
+        ValueError: no rows, or a row without one of those keys.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    need = ("mode", "R", "link_mbit", "overhead", "lost_updates")
+    if not rows:
+        raise ValueError("plot_tradeoff needs at least one row")
+    for row in rows:
+        missing = [k for k in need if k not in row]
+        if missing:
+            raise ValueError(f"a trade-off row lacks {', '.join(missing)}: {row}")
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: ("cold", "hot", "neighbour").index(m)
+                   if m in ("cold", "hot", "neighbour") else 9)
+    rates = sorted({float(r["link_mbit"]) for r in rows})
+    colors = _run_colors(len(modes))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode, color in zip(modes, colors, strict=True):
+        for i, rate in enumerate(rates):
+            pts = sorted((r["R"], 100 * r["overhead"]) for r in rows
+                         if r["mode"] == mode and float(r["link_mbit"]) == rate and not math.isnan(r["overhead"]))
+            if pts:
+                left.plot(*zip(*pts, strict=True), marker="o", color=color, linestyle=_LINESTYLES[i % 4],
+                          label=f"{mode}, {rate:g} Mbit/s")
+        bound = sorted({(r["R"], r["lost_updates"]) for r in rows if r["mode"] == mode})
+        right.plot(*zip(*bound, strict=True), marker="o", color=color, label=f"{mode}: most a takeover can lose")
+    for mode, r, lost in measured_lost:
+        color = colors[modes.index(mode)] if mode in modes else "black"
+        right.plot([r], [lost], marker="x", markersize=10, color=color, linestyle="none",
+                   label=f"{mode}: lost in a node-kill run")
+    left.axhline(0, color="grey", linewidth=0.8)
+    left.set_xscale("log")
+    left.set_xlabel("replication interval R (steps)")
+    left.set_ylabel("failure-free step time over the plain pipeline (%)")
+    left.set_title("overhead (measured)")
+    right.set_xscale("log")
+    right.set_xlabel("replication interval R (steps)")
+    right.set_ylabel("updates of the failed stage lost")
+    right.set_title("lost updates (the same at every link rate)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(unique.values(), unique.keys(), fontsize=7)
+    if title:
+        fig.suptitle(title)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, path)
 
 
 # ---------------------------------------------------------------- command line

@@ -109,3 +109,22 @@ def test_a_spare_rank_never_fires_a_node_fault(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(FaultError, match=r"^fault node-kill:node=b:step=5: no rank but spare ones runs on "
                                          r"node mpt-b \(the ranks run on mpt-a, mpt-b\); it would never fire$"):
         check_nodes([parse("node-kill:node=b:step=5")], ["mpt-a", "mpt-a", "mpt-b"], plan)
+
+
+def test_a_relaunch_can_be_kept_to_some_testbed_nodes_in_order() -> None:
+    """run_mpi(nodes=...): mpirun's --host picks the nodes (a spare for a dead one), with their slots."""
+    import ipaddress
+
+    from mpipipe.launch import mpirun_command
+    from mpipipe.testbed import Node, Testbed, TestbedError
+
+    bed = Testbed((Node("a", 0.5, 100), Node("b", 0.5, 100), Node("c", 0.5, 100, slots=2)),
+                  ipaddress.IPv4Network("10.213.0.0/24"))
+    cmd = mpirun_command(3, "-m", "x", testbed=bed, nodes=["c", "mpt-a"])
+    assert cmd[cmd.index("--host") + 1] == "mpt-c:2,mpt-a:1"
+    assert "--hostfile" in cmd and "--oversubscribe" not in cmd
+    assert "--host" not in mpirun_command(3, "-m", "x", testbed=bed)
+    with pytest.raises(TestbedError, match="no node 'd'"):
+        mpirun_command(3, "-m", "x", testbed=bed, nodes=["d"])
+    with pytest.raises(TestbedError, match="give the testbed"):
+        mpirun_command(3, "-m", "x", nodes=["a"])

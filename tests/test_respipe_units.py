@@ -123,6 +123,41 @@ def test_hot_adds_the_relayed_streams_and_loses_nothing():
     assert last.shadow == 8 * 100  # the last stage's backup computes its own loss
 
 
+@pytest.mark.parametrize("mode", ["cold", "hot", "neighbour"])
+def test_link_bytes_put_each_payload_on_its_two_ends_and_add_up_to_predict(mode):
+    kw = dict(batch_size=8, backups={0: 1, 1: 2, 2: 1}, replicate_every=10, mode=mode,
+              label_bytes=8, input_bytes=256)
+    links = costmodel.link_bytes(STAGES, **kw)
+    total = costmodel.predict(STAGES, **kw).total
+    assert sum(sent for sent, _ in links.values()) == pytest.approx(total)
+    assert sum(got for _, got in links.values()) == pytest.approx(total)
+    # Stage 1 sends 8 x 100 forward and 8 x 400 of gradients back, plus its replicas.
+    if mode == "neighbour":
+        assert set(links) == {"stage 0", "stage 1", "stage 2"}
+        # Stage 0 holds stage 1's replica, stage 1 those of stages 0 and 2.
+        assert links["stage 1"] == (8 * 100 + 8 * 400 + 8000 / 10,
+                                    8 * 400 + 8 * 100 + 2000 / 10 + 1000 / 10)
+        assert links["stage 0"][1] == 8 * 400 + 8000 / 10
+    else:
+        assert set(links) == {"stage 0", "stage 1", "stage 2", "backup 0.0", "backup 1.0",
+                              "backup 1.1", "backup 2.0"}
+        shadow = 8 * (400 + 100) if mode == "hot" else 0
+        assert links["backup 1.1"] == (0.0, 8000 / 10 + shadow)
+
+
+def test_step_seconds_is_compute_plus_the_busiest_direction_at_the_link_rate():
+    links = {"stage 0": (1e6, 2.5e6), "stage 1": (2e6, 0.5e6)}
+    assert costmodel.step_seconds(links, link_mbit=20, compute_s=0.1) == pytest.approx(0.1 + 1.0)
+    assert costmodel.step_seconds({}, link_mbit=20, compute_s=0.1) == 0.1
+    # Overlapped: the critical bytes add to compute; the rest counts once a link outlasts the step.
+    critical = {"stage 0": (0.25e6, 0.0)}
+    assert costmodel.step_seconds(links, link_mbit=20, compute_s=0.1, critical=critical) == pytest.approx(1.0)
+    assert costmodel.step_seconds(links, link_mbit=20, compute_s=1.5, critical=critical) == \
+        pytest.approx(1.5 + 0.1)
+    with pytest.raises(ValueError, match="link_mbit"):
+        costmodel.step_seconds(links, link_mbit=0, compute_s=0.1)
+
+
 def test_each_steps_exact_bytes_put_every_replica_on_the_multiples_of_r():
     c = costmodel.predict(STAGES, batch_size=8, backups={1: 2, 2: 1}, replicate_every=10,
                           mode="hot", label_bytes=8)

@@ -1,0 +1,628 @@
+"""ResPipe and Stannis on the emulated cluster (issue 13): every figure from runs on the testbed.
+
+    flock /run/mpt-session.lock python bench/cluster.py [--json] [--quick]
+
+Each node of the testbed (mpipipe/testbed.py) is a network namespace with its own link
+shaped by ``tc tbf`` (rate only: no delay or loss) and a cgroup CPU quota, so a rank's
+compute is the same in every run whatever else runs: the plain pipeline, ResPipe and
+the single host all compute at the same fixed share. ResPipe jobs get 7 nodes of
+``CPU`` cores each: stages 0..2 on nodes n0..n2, their backups (or, for the plain
+pipeline, spare ranks that idle outside the route, as bench/resilience.py does) on
+n3..n5, and n6 stands by as the spare node of a relaunch. Every figure compares runs of
+this one invocation on the same testbed; timings are repeated ``repeat`` times and the
+median is reported. A step time is the mean time per step of a run after its first
+``WARMUP`` steps (replica steps included), from the run log.
+
+- link_rate_ratio: Mbit/s of payload that mpipipe.linkprobe (the project's Transport)
+  gets through one 100 Mbit/s link (n0 -> n1), over the configured rate.
+- overhead_r10 / overhead_hot: ResPipe (cold R=10 / hot R=10, one backup per stage on
+  nodes of their own) over the plain pipeline on the same nodes at 100 Mbit/s, step time
+  ratio minus 1, per repeat (interleaved: plain, cold, hot), median; *_spread max - min.
+- cost_time_error: mpipipe.costmodel.link_bytes (each rank's bytes per step) turned into
+  time by costmodel.step_seconds: compute + the busiest link's activation and gradient
+  bytes / rate, or the busiest link's bytes / rate if longer (replicas and hot relays
+  are sent without waiting and drain while the stages compute). Compute is the plain
+  pipeline's step time on the fastest link of the grid minus its predicted link time
+  (one calibration run); every ResPipe run of the grid (rates x R x cold/hot) is a
+  prediction, and the figure is the worst |predicted / measured - 1|.
+  cost_time_error_serial: the same with every byte added to compute (no overlap).
+- recovery_s_node_kill: node n1 (stage 1) killed whole (node-kill) at a step halfway
+  between two replicas (R=10, cold): the run's takeover_recovered recovery_s, median.
+- restart_vs_respipe: the same node kill against the plain pipeline as users run it
+  today (no ULFM; checkpoints every CKPT_EVERY steps): the job dies, is relaunched at
+  once with --resume on n0, n2..n6 (the spare n6 in the dead node's place; no time for a
+  human or a scheduler is counted). Time lost = span from the first to the last step in
+  the run log (a resumed log keeps one time axis; the start-up both runs share is not in
+  it, the relaunch's is) minus the failure-free span of the same job. Figure = median
+  baseline time lost / median ResPipe time lost (ResPipe: kill run's span minus the
+  failure-free cold R=10 runs' median span). restart_vs_respipe_paced (context): the
+  same ratio with each run's loss taken against its own pace (paced_loss_s).
+- stannis_vs_ship / stannis_tuned_vs_ideal: see bench/stannis.py's worker, here on a
+  host node (1 core, 1000 Mbit/s) and 4 CSD nodes (an eighth of a core, 100 Mbit/s) with
+  no modelled slow-down (csd.emulated = false): the CPU quota is the CSD's speed.
+  ``ship``: the CSDs send their samples to the host over the same links and the host
+  trains on them (the traffic Stannis avoids), samples/s of the host's training.
+
+The trade-off plot (docs/cluster-tradeoff.png, mpipipe.report.plot_tradeoff): measured
+failure-free overhead against R and link rate for cold, hot and neighbour, and the
+updates a takeover can lose (the cost model's bound, and the node-kill runs' measured
+lost_updates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import resilience as rsl  # noqa: E402
+from bench import stannis as sbench  # noqa: E402
+from mpipipe import costmodel, testbed  # noqa: E402
+from mpipipe.launch import mpirun_env, run_mpi  # noqa: E402
+from mpipipe.testbed import Node, Testbed  # noqa: E402
+
+SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
+CPU = 0.28  # cores per ResPipe node: 7 x 0.28 = 1.96 of this 2-core machine
+NODES = 7  # n0..n2 stages, n3..n5 backups or spares, n6 the relaunch's spare node
+WARMUP = 10  # steps not counted in a step time (start-up, first replicas)
+CKPT_EVERY = 50  # the restart baseline's checkpoint interval
+KILL_NODE = "n1"  # stage 1's node
+GLOBAL_BATCH = 1536  # Stannis samples per step over host and CSDs (bench/stannis.py's default)
+TARGETS: dict[str, tuple[str, float, float | None]] = {
+    # key: (kind, low, high) -- "range", "max" (<= low) or "min" (>= low)
+    "link_rate_ratio": ("range", 0.85, 1.15),
+    "overhead_r10": ("max", 0.05, None),
+    "overhead_r10_spread": ("max", 0.03, None),
+    "cost_time_error": ("max", 0.25, None),
+    "cost_time_error_serial": ("max", 0.25, None),
+    "recovery_s_node_kill": ("max", 2.0, None),
+    "restart_vs_respipe": ("min", 10.0, None),
+    "stannis_vs_ship": ("min", 1.3, None),
+    "stannis_tuned_vs_ideal": ("min", 0.9, None),
+}
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {"steps": 150, "repeat": 3, "rates": (20, 100, 1000), "rs": (1, 10, 50),
+             "modes": ("cold", "hot", "neighbour"), "stannis": "quick"},
+    "quick": {"steps": 100, "repeat": 1, "rates": (20, 100), "rs": (1, 10),
+              "modes": ("cold", "hot"), "stannis": "quick"},
+}
+R = rsl.R  # the ResPipe jobs' replication interval where the issue says R=10
+
+
+def respipe_testbed(link_mbit: float) -> Testbed:
+    """7 equal nodes of ``CPU`` cores, one slot each, every link at ``link_mbit``."""
+    return Testbed(tuple(Node(f"n{i}", CPU, float(link_mbit)) for i in range(NODES)), SUBNET)
+
+
+def stannis_testbed() -> Testbed:
+    """A host node (1 core, 1000 Mbit/s, rank 0) and 4 CSD nodes, as jobs/testbed/stannis-csd.toml."""
+    return testbed.load(ROOT / "jobs" / "testbed" / "stannis-csd.toml")
+
+
+def settings(mode: str, r: int = R) -> tuple[str, ...]:
+    """The --set lines of a plain ("plain") or ResPipe (cold, hot, neighbour) job at R."""
+    if mode == "plain":
+        return (rsl.NONE, *rsl.SPARES)
+    if mode == "neighbour":
+        return (rsl.NONE, *rsl.SPARES, 'resilience.mode="neighbour"', f"resilience.replicate_every={r}")
+    return (rsl.ALL, f'resilience.mode="{mode}"', f"resilience.replicate_every={r}")
+
+
+class Bench:
+    """The runs of one invocation: their work directory, the testbed up, and what failed."""
+
+    def __init__(self, work: Path, steps: int) -> None:
+        self.work = work
+        self.steps = steps
+        self.failed: list[str] = []
+        self.count = 0
+        self.repeat = 1
+
+    def train(self, tb: Testbed, name: str, *sets: str, ulfm: bool = True, resume: Path | None = None,
+              nodes: Sequence[str] | None = None, expect_ok: bool = True) -> tuple[subprocess.CompletedProcess, Path]:
+        """One `mpipipe train` job of LeNet on the digits across the testbed's nodes."""
+        self.count += 1
+        log = self.work / f"{name}.h5"
+        cmd = ["-m", "mpipipe", "train", "--quiet",
+               "--config", str(ROOT / "jobs" / "configs" / "respipe-digits.toml"),
+               "--set", f'data.path="{self.work / "digits"}"', "--set", f"run.steps={self.steps}",
+               "--set", "run.eval_every=0", "--set", f"data.batch_size={rsl.BATCH}",
+               "--log", str(log)]
+        cmd += ["--resume", str(resume)] if resume else ["--overwrite"]
+        for s in sets:
+            cmd += ["--inject", s[7:]] if s.startswith("inject:") else ["--set", s]
+        try:
+            result = run_mpi(rsl.RANKS, cmd, ulfm=ulfm, timeout=300 + 2 * self.steps, testbed=tb, nodes=nodes)
+        except subprocess.TimeoutExpired as e:
+            result = subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", e.stderr or "timed out")
+        if expect_ok and result.returncode != 0:
+            tail = " | ".join(result.stderr.strip().splitlines()[-3:])
+            self.failed.append(f"{name}: exit {result.returncode}: {tail}")
+            print(f"bench/cluster.py: job {name} failed (exit {result.returncode}): {tail}", file=sys.stderr)
+        return result, log
+
+
+def _steps(log: Path) -> tuple[list[int], list[float]]:
+    from mpipipe.runlog import open_log
+
+    try:
+        run = open_log(log)
+    except Exception:  # no log at all: the job died before it wrote one
+        return [], []
+    return [int(s) for s in run.steps["step"]], [float(t) for t in run.steps["time"]]
+
+
+def step_s(log: Path) -> float:
+    """Mean seconds per step after the first WARMUP steps (replica steps included), or nan."""
+    steps, times = _steps(log)
+    if len(times) <= WARMUP + 1:
+        return math.nan
+    return (times[-1] - times[WARMUP]) / (steps[-1] - steps[WARMUP])
+
+
+def span_s(log: Path) -> float:
+    """Seconds from the first step to the last in the run log (one time axis across a resume)."""
+    _, times = _steps(log)
+    return times[-1] - times[0] if len(times) > 1 else math.nan
+
+
+def paced_loss_s(log: Path) -> float:
+    """Seconds a run lost beyond its own pace: its longest step gap minus its mean step gap
+    over the others.
+
+    Why: runs of the same job differ in pace by more than ResPipe's recovery on this
+    shared machine, so a loss taken against another run's span mostly measures that. A
+    fault shows as one long gap: the takeover, or (a resumed log) the death, the relaunch
+    and the steps redone. What a fault costs in later steps is not counted.
+    """
+    _, times = _steps(log)
+    if len(times) < 3:
+        return math.nan
+    gaps = sorted(b - a for a, b in zip(times[:-1], times[1:], strict=True))
+    return gaps[-1] - statistics.mean(gaps[:-1])
+
+
+def median(values: Sequence[float]) -> float:
+    good = [v for v in values if not math.isnan(v)]
+    return statistics.median(good) if good else math.nan
+
+
+def spread(values: Sequence[float]) -> float:
+    good = [v for v in values if not math.isnan(v)]
+    return max(good) - min(good) if len(good) == len(values) and good else math.nan
+
+
+# ------------------------------------------------------------------ the figures
+
+
+def link_rate(bench: Bench, tb: Testbed, mbytes: float) -> dict[str, Any]:
+    """Measured / configured throughput of n0 -> n1 with mpipipe.linkprobe."""
+    result = run_mpi(2, ["-m", "mpipipe.linkprobe", "--mbytes", str(mbytes), "--pairs", "0:1,1:0"],
+                     timeout=300, testbed=tb)
+    rates = [json.loads(line)["mbit_s"] for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode or not rates:
+        bench.failed.append(f"linkprobe: exit {result.returncode}: {result.stderr[-300:]}")
+        return {"link_rate_ratio": math.nan}
+    link = tb.nodes[0].link_mbit
+    return {"link_rate_ratio": median(rates) / link, "link_mbit_measured": rates, "link_mbit": link}
+
+
+Times = dict[tuple[str, int, float], list[float]]  # step times by (mode, R, link Mbit/s)
+
+
+def respipe_grid(bench: Bench, size: dict[str, Any]) -> tuple[dict[str, Any], Times]:
+    """Every failure-free run: the 100 Mbit/s repeats and the grid; step times by (mode, R, rate)."""
+    times: dict[tuple[str, int, float], list[float]] = {}
+    spans: dict[tuple[str, int, float], list[float]] = {}
+
+    def run(tb: Testbed, mode: str, r: int, tag: str) -> None:
+        rate = tb.nodes[0].link_mbit
+        _, log = bench.train(tb, f"{mode}-r{r}-{rate:g}-{tag}" if mode != "plain" else f"plain-{rate:g}-{tag}",
+                             *settings(mode, r))
+        times.setdefault((mode, 0 if mode == "plain" else r, rate), []).append(step_s(log))
+        spans.setdefault((mode, 0 if mode == "plain" else r, rate), []).append(span_s(log))
+
+    for rate in sorted(size["rates"], key=lambda x: x != 100):  # 100 Mbit/s first
+        tb = respipe_testbed(rate)
+        with testbed.running(tb):
+            if rate == 100:
+                for i in range(size["repeat"]):  # interleaved, so that a slow minute hits all three
+                    for mode in ("plain", "cold", "hot"):
+                        run(tb, mode, R, str(i))
+            else:
+                run(tb, "plain", 0, "0")
+            for mode in size["modes"]:
+                for r in size["rs"]:
+                    if rate == 100 and r == R and mode in ("cold", "hot"):
+                        continue
+                    run(tb, mode, r, "0")
+    return {"spans": spans}, times
+
+
+def overheads(times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any]:
+    """Paired per repeat at 100 Mbit/s: ResPipe step time / plain step time - 1."""
+    out: dict[str, Any] = {}
+    plain = times[("plain", 0, 100.0)]
+    for mode, key in (("cold", "overhead_r10"), ("hot", "overhead_hot")):
+        pairs = [t / p - 1 for t, p in zip(times[(mode, R, 100.0)], plain, strict=True)]
+        out[key] = median(pairs)
+        out[f"{key}_spread"] = spread(pairs)
+        out[f"{key}_runs"] = [round(x, 4) for x in pairs]
+    out["plain_step_s_100"] = median(plain)
+    return out
+
+
+def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any]:
+    """Predicted against measured failure-free step time for every ResPipe run of the grid."""
+    from mpipipe.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, load_config
+
+    cfg = load_config(str(ROOT / "jobs" / "configs" / "respipe-digits.toml"),
+                      [f'data.path="{bench.work / "digits"}"'], PIPELINE_DEFAULTS, PIPELINE_CHOICES)
+    shapes, in_bytes, _, _ = costmodel.shapes_from_config(cfg)
+    backups = dict.fromkeys(range(rsl.STAGES), 1)
+
+    def links(mode: str, r: int) -> dict[str, tuple[float, float]]:
+        return costmodel.link_bytes(shapes, batch_size=rsl.BATCH, backups={} if mode == "plain" else backups,
+                                    replicate_every=max(r, 1), mode="cold" if mode == "plain" else mode,
+                                    label_bytes=8, input_bytes=in_bytes)
+
+    fastest = max(rate for (_, _, rate) in times)
+    critical = links("plain", 1)
+    plain_fast = median(times[("plain", 0, fastest)])
+    compute = max(plain_fast - costmodel.step_seconds(critical, link_mbit=fastest, compute_s=0.0), 0.0)
+    rows, errors, serial_errors = [], [], []
+    for (mode, r, rate), ts in sorted(times.items()):
+        measured = median(ts)
+        bytes_ = links(mode, r)
+        predicted = costmodel.step_seconds(bytes_, link_mbit=rate, compute_s=compute, critical=critical)
+        serial = costmodel.step_seconds(bytes_, link_mbit=rate, compute_s=compute)
+        err = predicted / measured - 1 if measured > 0 else math.nan
+        serr = serial / measured - 1 if measured > 0 else math.nan
+        rows.append({"mode": mode, "R": r, "link_mbit": rate, "measured_s": round(measured, 4),
+                     "predicted_s": round(predicted, 4), "error": round(err, 3),
+                     "serial_s": round(serial, 4), "serial_error": round(serr, 3)})
+        if mode in ("cold", "hot"):
+            errors.append(abs(err))
+            serial_errors.append(abs(serr))
+
+    def worst(values: list[float]) -> float:
+        return max(values) if values and not any(math.isnan(e) for e in values) else math.nan
+
+    return {"cost_time_error": worst(errors), "cost_time_error_serial": worst(serial_errors),
+            "compute_s": round(compute, 4), "calibrated_at_mbit": fastest, "cost_time_rows": rows}
+
+
+def node_kill(bench: Bench, size: dict[str, Any], spans: dict) -> dict[str, Any]:
+    """ResPipe (cold, R=10) against the relaunch-and-resume baseline, both losing node n1."""
+    tb = respipe_testbed(100)
+    kill_at = rsl.kill_step(bench.steps)
+    kill = f"inject:node-kill:node={KILL_NODE}:step={kill_at}"
+    ckpt = f"run.checkpoint_every={CKPT_EVERY}"
+    recovery, lost_respipe, lost_updates, lost_base, outcomes = [], [], [], [], []
+    paced_respipe, paced_base = [], []
+    clean_respipe = median(spans[("cold", R, 100.0)])
+    spare = [n.name for n in tb.nodes if n.name != KILL_NODE]
+    with testbed.running(tb):
+        for i in range(size["repeat"]):
+            _, log = bench.train(tb, f"kill-respipe-{i}", *settings("cold", R), kill)
+            recovery.append(float(rsl._event(log, "takeover_recovered").get("recovery_s", math.nan)))
+            lost_updates.append(rsl._event(log, "takeover").get("lost_updates"))
+            lost_respipe.append(span_s(log) - clean_respipe)
+            paced_respipe.append(paced_loss_s(log))
+            # The baseline: the same job as users run it, no ULFM, checkpoints every CKPT_EVERY.
+            _, clean = bench.train(tb, f"ckpt-clean-{i}", *settings("plain"), ckpt, ulfm=False)
+            first, log = bench.train(tb, f"ckpt-kill-{i}", *settings("plain"), ckpt, kill, ulfm=False,
+                                     expect_ok=False)
+            outcomes.append(rsl._outcome(first, log) if log.exists() else f"exit {first.returncode}, no log")
+            ckpt_dir = log.parent / f"{log.stem}-ckpt"
+            if not ckpt_dir.is_dir():
+                bench.failed.append(f"ckpt-kill-{i}: no checkpoint directory {ckpt_dir} (exit {first.returncode})")
+                lost_base.append(math.nan)
+                continue
+            bench.train(tb, f"ckpt-kill-{i}", *settings("plain"), ckpt, ulfm=False, resume=ckpt_dir,
+                        nodes=spare[:rsl.RANKS])
+            lost_base.append(span_s(log) - span_s(clean))
+            paced_base.append(paced_loss_s(log))
+    base, res = median(lost_base), median(lost_respipe)
+    return {"recovery_s_node_kill": median(recovery), "recovery_s_runs": recovery,
+            "kill_step": kill_at, "lost_updates_node_kill": lost_updates,
+            "time_lost_respipe_s": res, "time_lost_restart_s": base,
+            "time_lost_respipe_runs": [round(x, 2) for x in lost_respipe],
+            "time_lost_restart_runs": [round(x, 2) for x in lost_base],
+            "restart_first_run": outcomes,
+            "restart_vs_respipe": base / res if res > 0 else math.nan,
+            # Context: each run's loss against its own pace (paced_loss_s), the same ratio.
+            "time_lost_paced_runs": {"respipe": [round(x, 2) for x in paced_respipe],
+                                     "restart": [round(x, 2) for x in paced_base]},
+            "restart_vs_respipe_paced": median(paced_base) / median(paced_respipe)
+            if median(paced_respipe) > 0 else math.nan}
+
+
+# ------------------------------------------------------------------ Stannis
+
+
+def ship_worker(args: argparse.Namespace) -> None:
+    """Inside the MPI job: the CSDs ship their samples to the host, which trains on them.
+
+    Every step each CSD sends global_batch / CSDS samples of its own shard (read as
+    Stannis reads it) and the host trains LeNet on the global batch it received. The
+    host posts the receives of the next step before it computes this one (double
+    buffering), so shipping and training overlap as well as they can; the result is
+    the host's samples/s over ``args.ship_steps`` steps after two warm-up steps.
+    """
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from mpipipe.models import build_model
+    from stannis.data import BatchStream, open_split
+
+    comm = MPI.COMM_WORLD
+    csds = comm.size - 1
+    per = args.global_batch // csds
+    steps = args.ship_steps + 2
+    shape = sbench.SHAPE
+    if comm.rank > 0:
+        reader = open_split(Path(args.data) / f"csd{comm.rank}")
+        stream = BatchStream([(reader, np.arange(len(reader)))], seed=comm.rank)
+        pending: list = []
+        for step in range(steps):
+            x, y = stream.next(per)
+            xb, yb = np.ascontiguousarray(x.numpy()), np.ascontiguousarray(y.numpy())
+            pending = [r for r in pending if not r.Test()]
+            while len(pending) >= 4:  # at most two steps in flight
+                MPI.Request.Waitall(pending)
+                pending = []
+            pending += [comm.Isend(xb, dest=0, tag=2 * step), comm.Isend(yb, dest=0, tag=2 * step + 1)]
+        MPI.Request.Waitall(pending)
+        comm.Barrier()
+        return
+    torch.manual_seed(0)
+    model = build_model("lenet", 10, shape)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    bufs = [(np.empty((csds, per, *shape), np.float32), np.empty((csds, per), np.int64)) for _ in range(2)]
+
+    def post(step: int) -> list:
+        x, y = bufs[step % 2]
+        return [r for k in range(csds) for r in (comm.Irecv(x[k], source=k + 1, tag=2 * step),
+                                                 comm.Irecv(y[k], source=k + 1, tag=2 * step + 1))]
+
+    reqs = post(0)
+    t0 = 0.0
+    for step in range(steps):
+        MPI.Request.Waitall(reqs)
+        if step + 1 < steps:
+            reqs = post(step + 1)
+        if step == 2:
+            t0 = time.perf_counter()
+        x, y = bufs[step % 2]
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x.reshape(-1, *shape))),
+                                                 torch.from_numpy(y.reshape(-1)))
+        loss.backward()
+        opt.step()
+    sps = args.ship_steps * args.global_batch / (time.perf_counter() - t0)
+    comm.Barrier()
+    Path(args.out).write_text(json.dumps({"ship_sps": sps}))
+
+
+def stannis(bench: Bench, size: str) -> dict[str, Any]:
+    """HyperTune in storage and shipping to the host, both on the Stannis testbed.
+
+    HyperTune: bench/stannis.py's worker (its rounds, its bound) with csd.emulated =
+    false, so that no modelled slow-down stretches a CSD: its cgroup's CPU quota is its
+    speed. Ship: :func:`ship_worker`, ``repeat`` times, median. The worker runs once:
+    its figures are already medians of its rounds.
+    """
+    work = bench.work / "stannis"
+    work.mkdir()
+    sbench.make_data(work / "data")
+    ns = argparse.Namespace(global_batch=GLOBAL_BATCH, slowdown=1.0)
+    sbench.write_config(work / "bench.toml", work / "data", ns)
+    tb = stannis_testbed()
+    out: dict[str, Any] = {}
+    ship, tuned = [], []
+    with testbed.running(tb):
+        for i in range(bench.repeat):
+            result = work / f"ship-{i}.json"
+            proc = run_mpi(1 + sbench.CSDS, [str(Path(__file__).resolve()), "--ship-worker", "--data",
+                                             str(work / "data"), "--out", str(result),
+                                             "--global-batch", str(GLOBAL_BATCH), "--ship-steps", "8"],
+                           timeout=600, testbed=tb)
+            bench.count += 1
+            if proc.returncode or not result.exists():
+                bench.failed.append(f"ship-{i}: exit {proc.returncode}: {proc.stderr[-300:]}")
+            else:
+                ship.append(json.loads(result.read_text())["ship_sps"])
+        result = work / "stannis.json"
+        cmd = [str(ROOT / "bench" / "stannis.py"), "--worker", "--size", size,
+               "--global-batch", str(GLOBAL_BATCH), "--slowdown", "1", "--config", str(work / "bench.toml"),
+               "--log", str(work / "stannis.h5"), "--out", str(result), "--set=csd.emulated=false"]
+        proc = run_mpi(1 + sbench.CSDS, cmd, timeout=1200, testbed=tb)
+        bench.count += 1
+        if proc.returncode or not result.exists():
+            bench.failed.append(f"stannis worker: exit {proc.returncode}: {proc.stderr[-300:]}")
+            return {"stannis_vs_ship": math.nan, "stannis_tuned_vs_ideal": math.nan, "ship_sps": ship}
+        figures = json.loads(result.read_text())
+    tuned_sps = figures["tuned_sps"]
+    tuned.append(tuned_sps)
+    ship_sps = median(ship)
+    out.update(stannis_vs_ship=tuned_sps / ship_sps if ship_sps > 0 else math.nan,
+               stannis_tuned_vs_ideal=figures["tuned_vs_ideal"] if figures["tuned_vs_ideal"] is not None
+               else math.nan,
+               stannis_tuned_sps=tuned_sps, stannis_ship_sps=round(ship_sps, 1),
+               stannis_ship_runs=[round(x, 1) for x in ship],
+               stannis_host_only_sps=figures["host_only_sps"], stannis_equal_sps=figures["equal_sps"],
+               stannis_ideal_sps=figures["ideal_sps"],
+               stannis_tuned_plan=figures["_detail"]["rounds"][-1]["tuned_plan"],
+               stannis_invalid=figures.get("tuned_vs_ideal_invalid_reason"))
+    return out
+
+
+# ------------------------------------------------------------------ output
+
+
+def plot(times: Times, figures: dict[str, Any], out: Path) -> Path | None:
+    """The trade-off PNG: every ResPipe grid point's overhead over the plain pipeline at its rate."""
+    from mpipipe.report import plot_tradeoff
+
+    rows = []
+    for (mode, r, rate), ts in sorted(times.items()):
+        base = times.get(("plain", 0, rate))
+        if mode == "plain" or not base:
+            continue
+        rows.append({"mode": mode, "R": r, "link_mbit": rate, "overhead": median(ts) / median(base) - 1,
+                     "lost_updates": costmodel.lost_updates(r, mode)})
+    if not rows:
+        return None
+    lost = [("cold", R, float(x)) for x in figures.get("lost_updates_node_kill", []) if x is not None]
+    return plot_tradeoff(rows, out, measured_lost=lost,
+                         title=f"ResPipe on the testbed: LeNet/digits in 3 stages, {CPU:g} core per node "
+                               f"(bench/cluster.py{' --quick' if figures['size'] == 'quick' else ''}, "
+                               f"{time.strftime('%Y-%m-%d')})")
+
+
+def verdict(key: str, value: Any) -> str:
+    """'met', 'NOT MET' or 'no figure' against the issue's target; '' for keys without one."""
+    if key not in TARGETS:
+        return ""
+    if not isinstance(value, int | float) or math.isnan(value):
+        return "NO FIGURE"
+    kind, low, high = TARGETS[key]
+    ok = (low <= value <= high) if kind == "range" and high is not None else \
+        (value <= low if kind == "max" else value >= low)
+    return "met" if ok else "NOT MET"
+
+
+def target_text(key: str) -> str:
+    if key not in TARGETS:
+        return "report"
+    kind, low, high = TARGETS[key]
+    return f"{low:g}-{high:g}" if kind == "range" else (f"<= {low:g}" if kind == "max" else f">= {low:g}")
+
+
+MAIN_KEYS = ("link_rate_ratio", "overhead_r10", "overhead_r10_spread", "overhead_hot", "cost_time_error",
+             "cost_time_error_serial",
+             "recovery_s_node_kill", "restart_vs_respipe", "stannis_vs_ship", "stannis_tuned_vs_ideal")
+
+
+def print_table(figures: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"Cluster bench{' (--quick: small grid)' if args.quick else ''}: {figures['jobs']} jobs in "
+          f"{figures['wall_s']:.0f} s on the testbed; median of {figures['repeat']} runs per timing")
+    print(f"  {'key':<24}{'value':>10}  {'target':<10}verdict")
+    for key in MAIN_KEYS:
+        value = figures.get(key, math.nan)
+        shown = f"{value:.3f}" if isinstance(value, float) and not math.isnan(value) else str(value)
+        print(f"  {key:<24}{shown:>10}  {target_text(key):<10}{verdict(key, value)}")
+    rows = figures.get("cost_time_rows", [])
+    if rows:
+        print(f"  cost model in time (compute {figures['compute_s'] * 1e3:.1f} ms from the plain pipeline at "
+              f"{figures['calibrated_at_mbit']:g} Mbit/s):")
+        print(f"    {'mode':<10}{'R':>4}{'Mbit/s':>8}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"
+              f"{'serial ms':>11}{'error':>8}")
+        for r in rows:
+            print(f"    {r['mode']:<10}{r['R']:>4}{r['link_mbit']:>8g}{1e3 * r['measured_s']:>13.1f}"
+                  f"{1e3 * r['predicted_s']:>14.1f}{r['error']:>+8.1%}{1e3 * r['serial_s']:>11.1f}"
+                  f"{r['serial_error']:>+8.1%}")
+    for key in ("overhead_r10_runs", "overhead_hot_runs", "recovery_s_runs", "lost_updates_node_kill",
+                "time_lost_respipe_runs", "time_lost_restart_runs", "time_lost_paced_runs",
+                "restart_vs_respipe_paced", "restart_first_run", "link_mbit_measured",
+                "stannis_tuned_sps", "stannis_ship_runs", "stannis_host_only_sps", "stannis_equal_sps",
+                "stannis_ideal_sps", "stannis_tuned_plan", "stannis_invalid"):
+        if key in figures:
+            print(f"  {key}: {figures[key]}")
+    for line in figures.get("failed", []):
+        print(f"  FAILED {line}")
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    size = SIZES["quick" if args.quick else "full"]
+    steps = args.steps or size["steps"]
+    bench = Bench(work, steps)
+    bench.repeat = size["repeat"]
+    subprocess.run([sys.executable, "-m", "native.convert", "digits", str(work / "digits"), "--overwrite"],
+                   cwd=ROOT, env=mpirun_env(), check=True, capture_output=True, timeout=120)
+    t0 = time.monotonic()
+    figures: dict[str, Any] = {}
+    times: Times = {}
+    if args.only in (None, "link"):
+        tb = respipe_testbed(100)
+        with testbed.running(tb):
+            figures.update(link_rate(bench, tb, 6 if args.quick else 12))
+    if args.only in (None, "respipe"):
+        extra, times = respipe_grid(bench, size)
+        figures.update(overheads(times))
+        figures.update(cost_time(bench, times))
+        figures.update(node_kill(bench, size, extra["spans"]))
+    if args.only in (None, "stannis"):
+        figures.update(stannis(bench, size["stannis"]))
+    figures.update(jobs=bench.count, wall_s=round(time.monotonic() - t0, 1), repeat=size["repeat"],
+                   steps=steps, cpu_per_node=CPU, failed=bench.failed,
+                   size="quick" if args.quick else "full", load_avg=round(os.getloadavg()[0], 2))
+    figures["_times"] = {f"{m}/{r}/{rate:g}": ts for (m, r, rate), ts in times.items()}
+    return figures
+
+
+def _no_nan(value: Any) -> Any:
+    """A figure that could not be measured is null in the JSON line (NaN is not JSON)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="one JSON line")
+    parser.add_argument("--quick", action="store_true", help="a smaller grid, one run per timing: a first look")
+    parser.add_argument("--steps", type=int, help="steps per ResPipe job (default 150, --quick 100)")
+    parser.add_argument("--plot", default=str(ROOT / "docs" / "cluster-tradeoff.png"),
+                        help="where the trade-off plot goes (default docs/cluster-tradeoff.png)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the run logs in a new directory under DIR")
+    parser.add_argument("--only", choices=("link", "respipe", "stannis"), help=argparse.SUPPRESS)
+    parser.add_argument("--ship-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help=argparse.SUPPRESS)
+    parser.add_argument("--ship-steps", type=int, default=8, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.ship_worker:
+        ship_worker(args)
+        return 0
+    testbed.check_supported()
+    with tempfile.TemporaryDirectory(prefix="cluster-bench-") as tmp:
+        work = (Path(args.keep) if args.keep else Path(tmp)) / time.strftime("%Y%m%d-%H%M%S")
+        work.mkdir(parents=True, exist_ok=False)
+        try:
+            figures = measure(args, work)
+        finally:
+            testbed.down()
+    times = {tuple(k.split("/")): v for k, v in figures.pop("_times").items()}
+    png = plot({(m, int(r), float(rate)): v for (m, r, rate), v in times.items()}, figures, Path(args.plot))
+    figures["plot"] = str(png) if png else None
+    if args.json:
+        print(json.dumps(_no_nan(figures), allow_nan=False))
+    else:
+        print_table(figures, args)
+        print(f"  plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
