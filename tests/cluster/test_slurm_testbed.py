@@ -27,21 +27,8 @@ sys.path.insert(0, str(ROOT / "tests" / "slurm"))
 import check_logs  # noqa: E402
 import privslurm  # noqa: E402
 
-NODES = """\
-subnet = "10.213.0.0/24"
-[nodes.a]
-cpu = 0.5
-link_mbit = 1000
-[nodes.b]
-cpu = 0.5
-link_mbit = 1000
-[nodes.c]
-cpu = 0.5
-link_mbit = 1000
-[nodes.d]
-cpu = 0.5
-link_mbit = 1000
-"""
+# Four nodes, half a core, 1000 Mbit/s and one slot each (the module's testbed: conftest.bed).
+NODES = 'subnet = "10.213.0.0/24"\n' + "".join(f"[nodes.{n}]\ncpu = 0.5\nlink_mbit = 1000\n" for n in "abcd")
 RESPIPE_STEPS, STANNIS_STEPS = 20, 10
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE"}
