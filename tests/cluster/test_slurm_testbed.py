@@ -114,3 +114,15 @@ def test_stannis_sbatch_puts_the_host_and_each_csd_on_its_own_node(
     hosts = json.loads(open_log(log).attrs["hosts"])
     assert sorted(hosts) == ["mpt-a", "mpt-b", "mpt-c", "mpt-d"], hosts
     assert check_logs.check(str(log), system="stannis", steps=STANNIS_STEPS) == []
+
+
+@pytest.mark.timeout(60)
+def test_slurm_mpirun_args_only_inside_a_node(bed: testbed.Testbed) -> None:
+    cli = [sys.executable, "-m", "mpipipe.testbed", "mpirun-args", "--slurm"]
+    inside = subprocess.run(testbed.node_command(bed, "b", cli), capture_output=True, text=True, cwd=ROOT,
+                            env=mpirun_env(), timeout=30)
+    assert inside.returncode == 0, inside.stderr
+    assert inside.stdout.split() == testbed.slurm_mpirun_args(bed)
+    outside = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, env=mpirun_env(), timeout=30)
+    assert outside.returncode == 2
+    assert "does not run inside a node" in outside.stderr

@@ -3,8 +3,9 @@
 #
 # `make test-slurm` runs this after the venv is installed. It installs
 # Debian's slurm-wlm and munge if they are missing, starts a private munged,
-# slurmctld and slurmd (config from tests/slurm/slurm.conf.in, every pid,
-# state and log file in a temporary directory), submits jobs/respipe.sbatch
+# slurmctld and slurmd with tests/slurm/privslurm.py (config from
+# tests/slurm/slurm.conf.in, every pid, state and log file in a temporary
+# directory; tests/cluster uses it on the testbed), submits jobs/respipe.sbatch
 # (with an injected stage kill) and jobs/stannis.sbatch, waits for both with a
 # time limit, asserts that both COMPLETED and that their HDF5 logs hold the
 # expected steps (and, for ResPipe, a failover event), and stops every daemon
