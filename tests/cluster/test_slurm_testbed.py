@@ -10,6 +10,7 @@ wait has a time limit, and the daemons are stopped by pid whatever happens.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -43,8 +44,10 @@ def _why_no_slurm() -> str | None:
 def slurm(bed: testbed.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[privslurm.Cluster]:
     """The private cluster, one slurmd per node of ``bed``; stopped by pid at the end."""
     why = _why_no_slurm()
-    if why is not None:
-        pytest.fail(why)
+    if why is not None:  # as conftest: a skip under make test-cluster would hide that nothing ran
+        if os.environ.get("MPIPIPE_REQUIRE_CLUSTER") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
     state = tmp_path_factory.mktemp("slurm")
     try:
         yield privslurm.start(state, on_testbed=True, first_id=privslurm.first_job_id(ROOT / "runs"))
