@@ -312,9 +312,16 @@ def _node_procs(node: str) -> Path:
     return Path((STATE / "nodes" / ("mpt-" + node)).read_text().strip())
 
 
+# The launchers' processes a node-kill spares: Open MPI's daemon and mpirun (which runs on
+# the first node of a Slurm allocation), and Slurm's daemons (slurmd, the job steps'
+# slurmstepd, and the srun mpirun starts its daemons with), when Slurm runs on the testbed.
+LAUNCHERS = frozenset({"prted", "prterun", "mpirun", "srun", "slurmd", "slurmstepd"})
+
+
 def _daemons(pids: set[int]) -> set[int]:
-    """Open MPI's daemons among ``pids`` and their ancestors among them (the shell the rsh
-    agent started it with, whose end mpirun would read as a daemon that failed to start)."""
+    """The launchers' processes among ``pids`` (:data:`LAUNCHERS`) and their ancestors among
+    them (the shell the rsh agent started prted with, or the batch script that runs mpirun,
+    whose end mpirun or Slurm would read as a failed daemon or a finished job)."""
     parent, spared = {}, set()
     for pid in pids:
         try:
@@ -323,7 +330,7 @@ def _daemons(pids: set[int]) -> set[int]:
             continue
         name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
         parent[pid] = int(rest[1])
-        if name == "prted":
+        if name in LAUNCHERS:
             spared.add(pid)
     for pid in list(spared):
         while parent.get(pid) in pids:
@@ -333,14 +340,17 @@ def _daemons(pids: set[int]) -> set[int]:
 
 
 def kill_node(node: str) -> None:
-    """SIGKILL every process of testbed node ``node`` but Open MPI's daemon and this one
-    (the caller, which fires the fault, ends itself afterwards).
+    """SIGKILL every process of testbed node ``node`` but the launchers' (Open MPI's daemon,
+    and Slurm's when it runs on the testbed: :data:`LAUNCHERS`) and this one (the caller,
+    which fires the fault, ends itself afterwards).
 
     Every process started on a node joined its cgroup (jobs/testbed/rsh-agent), so the
     cgroup lists them all. The daemon (``prted``) is spared: Open MPI 5's runtime cannot
     survive the loss of a daemon ("PRTE has lost communication with a remote daemon ...
     We cannot recover from this failure"), even under ``--with-ft ulfm``, so a node kill
     that took it (or the shell that started it) would end every job, not test ResPipe.
+    Slurm's daemons on the node are spared for the same reason: the job's steps (prted's
+    among them) run under them.
     Everything else of the node, its ranks above all, dies at once, which is what the
     survivors see of a dead node.
     """

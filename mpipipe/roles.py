@@ -195,9 +195,14 @@ def _backup_counts(table: Any, stages: int) -> dict[int, int]:
 
 
 def launcher_world_size(env: Mapping[str, str] | None = None) -> tuple[int, str] | None:
-    """The world size the launcher promised, and which variable said so."""
+    """The world size the launcher promised, and which variable said so.
+
+    Open MPI's own count comes before Slurm's: under mpirun in a multi-node allocation the
+    ranks on the other nodes descend from the srun that started Open MPI's daemons, and
+    inherit that step's SLURM_NTASKS (one per node), not the job's.
+    """
     env = os.environ if env is None else env
-    for var in ("MPIPIPE_EXPECT_NP", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    for var in ("MPIPIPE_EXPECT_NP", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
         if env.get(var, "").isdigit():
             return int(env[var]), var
     return None

@@ -50,7 +50,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["PREFIX", "AGENT", "TestbedError", "Node", "Testbed", "load", "check_supported", "up", "down",
-           "current", "running", "leftovers", "mpirun_args", "node_command", "main"]
+           "current", "running", "leftovers", "mpirun_args", "slurm_mpirun_args", "node_here", "node_command",
+           "main"]
 
 PREFIX = "mpt-"
 HOSTS_TAG = "# mpt-testbed"
@@ -454,6 +455,33 @@ def mpirun_args(tb: Testbed) -> list[str]:
             "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", subnet]
 
 
+def slurm_mpirun_args(tb: Testbed) -> list[str]:
+    """The mpirun options for a job inside a Slurm allocation of the testbed's nodes (one
+    slurmd per node, docs/testbed.md "Slurm on the testbed"); put before ``-n``.
+
+    No hostfile and no rsh agent: mpirun reads the allocation from Slurm and starts its
+    daemons on the other nodes with srun, through their slurmd, so they are inside their
+    nodes already. As in :func:`mpirun_args`, the traffic stays on the testbed subnet and
+    there is no core binding. Ranks go round-robin over the nodes (``--map-by node``): with
+    ``--nodes=K`` the first K ranks (ResPipe's stages, Stannis's host and first CSDs) get K
+    distinct nodes whatever way Slurm spread the tasks. No ``--oversubscribe``: the
+    allocation's tasks are the slots (``--overcommit`` gives a node more tasks than CPUs).
+    """
+    subnet = str(tb.subnet)
+    return ["--map-by", "node", "--bind-to", "none", "--prtemca", "oob_tcp_if_include", subnet,
+            "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", subnet]
+
+
+def node_here() -> tuple[Testbed, Node] | None:
+    """The testbed that is up and its node this process runs in (found by hostname: every
+    process entered into a node has the node's), or None outside every node."""
+    tb = current()
+    if tb is None:
+        return None
+    name = os.uname().nodename
+    return next(((tb, n) for n in tb.nodes if n.host == name), None)
+
+
 def node_command(tb: Testbed, node: str, argv: Sequence[str]) -> list[str]:
     """The command line that runs ``argv`` inside a node (its cgroup, network and hostname)."""
     return [str(AGENT), tb.node(node).host, shlex.join(argv)]
@@ -528,12 +556,23 @@ def _cmd_exec(args: argparse.Namespace) -> int:
 
 
 def _cmd_mpirun_args(args: argparse.Namespace) -> int:
+    if args.slurm:
+        if args.file:
+            raise TestbedError("mpirun-args takes FILE or --slurm, not both (--slurm uses the testbed that is up)")
+        here = node_here()
+        if here is None:
+            raise TestbedError(f"--slurm: this process ({os.uname().nodename}) does not run inside a node of a "
+                               f"testbed that is up; run it in a Slurm job on the testbed (docs/testbed.md)")
+        print("\n".join(slurm_mpirun_args(here[0])))
+        return 0
+    if not args.file:
+        raise TestbedError("mpirun-args needs a testbed FILE (or --slurm inside a Slurm job on the testbed)")
     print("\n".join(mpirun_args(load(args.file))))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``up FILE | run FILE -- CMD | exec NODE -- CMD | down [FILE] | status | mpirun-args FILE``."""
+    """``up FILE | run FILE -- CMD | exec NODE -- CMD | down [FILE] | status | mpirun-args FILE|--slurm``."""
     parser = argparse.ArgumentParser(
         prog="python -m mpipipe.testbed",
         description="An emulated cluster on this machine: nodes with their own link rate, hostname and "
@@ -556,8 +595,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_down)
     p = sub.add_parser("status", help="show the testbed that is up")
     p.set_defaults(func=_cmd_status)
-    p = sub.add_parser("mpirun-args", help="print, one a line, the mpirun options for the testbed of FILE")
-    p.add_argument("file")
+    p = sub.add_parser("mpirun-args", help="print, one a line, the mpirun options for the testbed of FILE "
+                                           "(--slurm: for a Slurm job on the testbed that is up)")
+    p.add_argument("file", nargs="?")
+    p.add_argument("--slurm", action="store_true",
+                   help="the options for mpirun inside a Slurm allocation of the nodes (run inside a node)")
     p.set_defaults(func=_cmd_mpirun_args)
     return parser
 

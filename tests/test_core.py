@@ -130,6 +130,8 @@ def test_world_size_check_catches_singletons():
     check_world_size(1, {})
     with pytest.raises(PlanError, match="SLURM_NTASKS=4 but the MPI world has 1"):
         check_world_size(1, {"SLURM_NTASKS": "4"})
+    # A rank on another node of a Slurm job under mpirun: the daemons' srun step had 2 tasks.
+    check_world_size(4, {"SLURM_NTASKS": "2", "OMPI_COMM_WORLD_SIZE": "4"})
 
 
 def test_runlog_round_trip(tmp_path):

@@ -3,8 +3,9 @@
 #
 # `make test-slurm` runs this after the venv is installed. It installs
 # Debian's slurm-wlm and munge if they are missing, starts a private munged,
-# slurmctld and slurmd (config from tests/slurm/slurm.conf.in, every pid,
-# state and log file in a temporary directory), submits jobs/respipe.sbatch
+# slurmctld and slurmd with tests/slurm/privslurm.py (config from
+# tests/slurm/slurm.conf.in, every pid, state and log file in a temporary
+# directory; tests/cluster uses it on the testbed), submits jobs/respipe.sbatch
 # (with an injected stage kill) and jobs/stannis.sbatch, waits for both with a
 # time limit, asserts that both COMPLETED and that their HDF5 logs hold the
 # expected steps (and, for ResPipe, a failover event), and stops every daemon
@@ -90,40 +91,20 @@ if [[ $SMOKE == 0 ]]; then
 fi
 
 # --- 3. a private cluster in a temporary directory ---------------------------
+# tests/slurm/privslurm.py starts munged, slurmctld and slurmd (every pid, state and
+# log file in $STATE) and stops them by pid; tests/cluster uses it on the testbed too.
 T_CLUSTER=$(date +%s)
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/mpipipe-slurm.XXXXXX")
-mkdir -p "$STATE"/{munge,ctld,slurmd,log}
-# munged wants its socket directory searchable by all; the key itself is 0400.
-chmod 755 "$STATE" "$STATE/munge"
-PIDS=()
 JOBS=()
+privslurm() { "$PY" tests/slurm/privslurm.py "$@"; }
 
 stop_daemons() {
     local rc=$?
     trap - EXIT INT TERM
     set +e
-    if ((${#JOBS[@]})) && [[ -n ${SLURM_CONF:-} ]]; then
-        # Jobs still running (timeout, error) are cancelled while slurmd is
-        # alive to signal their processes.
-        scancel "${JOBS[@]}" 2>/dev/null
-        for _ in $(seq 30); do
-            [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break
-            sleep 0.5
-        done
-    fi
-    # Reverse start order: slurmd, slurmctld, then munged.
-    local i pid
-    for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
-        pid=${PIDS[i]}
-        kill -TERM "$pid" 2>/dev/null || continue
-        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-        if kill -0 "$pid" 2>/dev/null; then
-            say "daemon $pid ignored SIGTERM; sending SIGKILL"
-            kill -KILL "$pid" 2>/dev/null
-        fi
-        wait "$pid" 2>/dev/null
-    done
-    ((${#PIDS[@]})) && say "stopped daemons ${PIDS[*]}"
+    # Jobs still running (timeout, error) are cancelled while slurmd is alive to
+    # signal their processes; then slurmd, slurmctld and munged, in that order.
+    privslurm stop "$STATE" | while read -r line; do say "$line"; done
     if [[ ${SLURM_TEST_KEEP:-0} == 1 || $rc != 0 ]]; then
         say "daemon logs and state kept in $STATE"
     else
@@ -135,52 +116,6 @@ trap stop_daemons EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-free_port() {
-    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-NODE=$(hostname -s)
-# nproc obeys OMP_NUM_THREADS (the Makefile sets it to 1): ask without it.
-CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
-CTLD_PORT=$(free_port)
-SLURMD_PORT=$(free_port)
-while [[ $SLURMD_PORT == "$CTLD_PORT" ]]; do SLURMD_PORT=$(free_port); done
-# Job ids name the run directories (runs/<id>/), and a fresh cluster counts
-# from 1 again: start past every id already used under runs/.
-FIRST_JOB_ID=$(
-    shopt -s nullglob
-    max=0
-    for f in runs/*; do
-        f=${f#runs/}
-        if [[ $f =~ ^([0-9]+)$ || $f =~ -([0-9]+)\.out$ ]]; then
-            ((10#${BASH_REMATCH[1]} > max)) && max=$((10#${BASH_REMATCH[1]}))
-        fi
-    done
-    echo $((max + 1))
-)
-sed -e "s|@NODE@|$NODE|g" -e "s|@FIRST_JOB_ID@|$FIRST_JOB_ID|g" -e "s|@CPUS@|$CPUS|g" -e "s|@STATE@|$STATE|g" \
-    -e "s|@CTLD_PORT@|$CTLD_PORT|g" -e "s|@SLURMD_PORT@|$SLURMD_PORT|g" \
-    tests/slurm/slurm.conf.in >"$STATE/slurm.conf"
-export SLURM_CONF=$STATE/slurm.conf
-
-# munged: its own key, socket, pid, log and seed files; run in the
-# foreground (-F) so that $! is the daemon itself.
-mungekey --create --keyfile="$STATE/munge/munge.key" --force
-chmod 400 "$STATE/munge/munge.key"
-munged -F --force --key-file="$STATE/munge/munge.key" \
-    --socket="$STATE/munge/munge.socket" --pid-file="$STATE/munge/munged.pid" \
-    --log-file="$STATE/log/munged.log" --seed-file="$STATE/munge/munged.seed" \
-    </dev/null >>"$STATE/log/munged.out" 2>&1 &
-PIDS+=($!)
-for _ in $(seq 50); do [[ -S $STATE/munge/munge.socket ]] && break; sleep 0.2; done
-[[ -S $STATE/munge/munge.socket ]] || { cat "$STATE"/log/munged.* >&2; die "munged did not start"; }
-
-slurmctld -D -i -f "$SLURM_CONF" </dev/null >>"$STATE/log/slurmctld.out" 2>&1 &
-PIDS+=($!)
-slurmd -D -N "$NODE" -f "$SLURM_CONF" </dev/null >>"$STATE/log/slurmd.out" 2>&1 &
-PIDS+=($!)
-say "started munged, slurmctld, slurmd (pids ${PIDS[*]}; state in $STATE)"
-
 show_logs() {
     local f
     for f in "$STATE"/log/*; do
@@ -189,15 +124,12 @@ show_logs() {
     done >&2
 }
 
-node_state=""
-for _ in $(seq 120); do
-    node_state=$(sinfo -h -n "$NODE" -o %T 2>/dev/null || true)
-    [[ $node_state == idle* ]] && break
-    sleep 0.5
-done
-[[ $node_state == idle* ]] || { show_logs; die "node $NODE not idle after 60 s (state: '${node_state:-no answer}')"; }
+# Job ids name the run directories (runs/<id>/), and a fresh cluster counts
+# from 1 again: --runs starts past every id already used under runs/.
+privslurm start "$STATE" --runs runs >/dev/null || die "the private cluster did not come up (above)"
+export SLURM_CONF=$STATE/slurm.conf
 T_UP=$(date +%s)
-say "cluster up: node $NODE idle with $CPUS CPUs"
+say "cluster up: node $(sinfo -h -N -o '%N with %c CPUs') idle (state in $STATE)"
 
 # --- 4. submit the jobs -------------------------------------------------------
 mkdir -p runs
