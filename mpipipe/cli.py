@@ -171,8 +171,18 @@ def start_run(
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    # The one check whose verdict can differ between ranks (it reads each rank's launcher
+    # environment): every rank learns every verdict, so a rank that alone finds a mismatch
+    # cannot leave, silently, while the others wait for it in their first collective.
     try:
         check_world_size(size)
+        mismatch = None
+    except PlanError as e:
+        mismatch = str(e)
+    mismatch = next((m for m in comm.allgather(mismatch) if m), None)
+    if mismatch:
+        fail_fast(comm, mismatch, prog, rank)
+    try:
         cfg = load_config(args.config, args.set, defaults, choices)
         section, key = inject_key
         if args.inject:
