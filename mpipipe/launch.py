@@ -61,7 +61,7 @@ def mpirun_command(n: int, *argv: str, ulfm: bool = False, python: str = sys.exe
         if testbed is None:
             raise TestbedError("nodes= picks testbed nodes: give the testbed too")
         # Open MPI takes --host as the subset of the hostfile to use, in this order.
-        cmd += ["--host", ",".join(f"{testbed.node(n).host}:{testbed.node(n).slots}" for n in nodes)]
+        cmd += ["--host", ",".join(f"{node.host}:{node.slots}" for node in map(testbed.node, nodes))]
     return [*cmd, "-x", "PYTHONPATH", "-n", str(n), python, *argv]
 
 

@@ -448,11 +448,17 @@ def mpirun_args(tb: Testbed) -> list[str]:
     node). ``--bind-to none``: every node sees the machine's cores, and Open MPI would
     bind each node's first rank to the same core; the cgroup is the node's CPU budget.
     """
-    subnet = str(tb.subnet)
     return ["--hostfile", str(STATE / "hostfile"), "--map-by", "slot", "--bind-to", "none",
             "--mca", "plm_rsh_agent", str(AGENT),
-            "--prtemca", "plm_ssh_no_tree_spawn", "1", "--prtemca", "oob_tcp_if_include", subnet,
-            "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", subnet]
+            "--prtemca", "plm_ssh_no_tree_spawn", "1", *_on_subnet(tb)]
+
+
+def _on_subnet(tb: Testbed) -> list[str]:
+    """The options that keep the daemons' traffic (PRRTE's oob) and MPI's (btl tcp) on the
+    testbed subnet, off shared memory: what both ways of launching across nodes share."""
+    subnet = str(tb.subnet)
+    return ["--prtemca", "oob_tcp_if_include", subnet, "--mca", "btl", "tcp,self",
+            "--mca", "btl_tcp_if_include", subnet]
 
 
 def slurm_mpirun_args(tb: Testbed) -> list[str]:
@@ -467,9 +473,7 @@ def slurm_mpirun_args(tb: Testbed) -> list[str]:
     distinct nodes whatever way Slurm spread the tasks. No ``--oversubscribe``: the
     allocation's tasks are the slots (``--overcommit`` gives a node more tasks than CPUs).
     """
-    subnet = str(tb.subnet)
-    return ["--map-by", "node", "--bind-to", "none", "--prtemca", "oob_tcp_if_include", subnet,
-            "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", subnet]
+    return ["--map-by", "node", "--bind-to", "none", *_on_subnet(tb)]
 
 
 def node_here() -> tuple[Testbed, Node] | None:
