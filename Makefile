@@ -43,7 +43,7 @@ test-c:
 test-slurm: $(STAMP)
 	bash tests/slurm/run.sh
 
-# The emulated cluster (mpipipe.testbed): root only; installs iproute2/util-linux if missing.
+# The emulated cluster (mpipipe.core.testbed): root only; installs iproute2/util-linux if missing.
 test-cluster: $(STAMP)
 	bash tests/cluster/run.sh
 

@@ -18,7 +18,7 @@ median is reported. A step time is the mean time per step of a run after its fir
 - overhead_r10 / overhead_hot: ResPipe (cold R=10 / hot R=10, one backup per stage on
   nodes of their own) over the plain pipeline on the same nodes at 100 Mbit/s, step time
   ratio minus 1, per repeat (interleaved: plain, cold, hot), median; *_spread max - min.
-- cost_time_error: mpipipe.costmodel.link_bytes (each rank's bytes per step) turned into
+- cost_time_error: mpipipe.respipe.costmodel.link_bytes (each rank's bytes per step) turned into
   time by costmodel.step_seconds: compute + the busiest link's activation and gradient
   bytes / rate, or the busiest link's bytes / rate if longer (replicas and hot relays
   are sent without waiting and drain while the stages compute). Compute is the plain
@@ -70,9 +70,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench import resilience as rsl  # noqa: E402
 from bench import stannis as sbench  # noqa: E402
-from mpipipe import costmodel, testbed  # noqa: E402
-from mpipipe.launch import mpirun_env, run_mpi  # noqa: E402
-from mpipipe.testbed import Node, Testbed  # noqa: E402
+from mpipipe.core import testbed  # noqa: E402
+from mpipipe.core.launch import mpirun_env, run_mpi  # noqa: E402
+from mpipipe.core.testbed import Node, Testbed  # noqa: E402
+from mpipipe.respipe import costmodel  # noqa: E402
 
 SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
 CPU = 0.28  # cores per ResPipe node: 7 x 0.28 = 1.96 of this 2-core machine
@@ -156,7 +157,7 @@ class Bench:
 
 
 def _steps(log: Path) -> tuple[list[int], list[float]]:
-    from mpipipe.runlog import open_log
+    from mpipipe.core.runlog import open_log
 
     try:
         run = open_log(log)
@@ -267,7 +268,7 @@ def overheads(times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any
 
 def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any]:
     """Predicted against measured failure-free step time for every ResPipe run of the grid."""
-    from mpipipe.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, load_config
+    from mpipipe.core.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, load_config
 
     cfg = load_config(str(ROOT / "jobs" / "configs" / "respipe-digits.toml"),
                       [f'data.path="{bench.work / "digits"}"'], PIPELINE_DEFAULTS, PIPELINE_CHOICES)
@@ -367,7 +368,7 @@ def ship_worker(args: argparse.Namespace) -> None:
     import torch
     from mpi4py import MPI
 
-    from mpipipe.models import build_model
+    from mpipipe.core.models import build_model
     from stannis.data import BatchStream, open_split
 
     comm = MPI.COMM_WORLD

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpipipe.launch import run_mpi  # noqa: E402
+from mpipipe.core.launch import run_mpi  # noqa: E402
 
 K = 2  # stages (one rank each) for every parallel figure
 
@@ -43,7 +43,7 @@ def _gloo_env() -> dict[str, str]:
 def _model_and_batch(args: argparse.Namespace):
     import torch
 
-    from mpipipe.models import build_model
+    from mpipipe.core.models import build_model
 
     torch.manual_seed(0)
     in_shape = (3, 32, 32)
@@ -55,7 +55,7 @@ def _model_and_batch(args: argparse.Namespace):
 
 
 def _balance(args: argparse.Namespace, model, x) -> list[int]:
-    from mpipipe.partition import balance_by_time
+    from mpipipe.pipeline.partition import balance_by_time
 
     return balance_by_time(model, x[: args.batch // args.chunks], K)
 
@@ -100,8 +100,8 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from mpipipe import Pipeline
-    from mpipipe.partition import split
-    from mpipipe.transport import ACT, Transport
+    from mpipipe.core.transport import ACT, Transport
+    from mpipipe.pipeline.partition import split
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD

@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
     # Lazy: `import mpipipe` (e.g. for `python -m mpipipe report`) must not start MPI or
     # import torch; `mpipipe.Pipeline` does both on first use.
     if name in ("Pipeline", "Route"):
-        from . import pipeline
+        from mpipipe.pipeline import engine as pipeline
 
         return getattr(pipeline, name)
     raise AttributeError(f"module 'mpipipe' has no attribute {name!r}")

@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import costmodel, package_version, report, train
+from mpipipe import package_version, report, train
+from mpipipe.respipe import costmodel
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _print_defaults(args: argparse.Namespace) -> int:
-    from .config import PIPELINE_DEFAULTS, dump_toml
+    from mpipipe.core.config import PIPELINE_DEFAULTS, dump_toml
 
     print(dump_toml(PIPELINE_DEFAULTS), end="")
     return 0

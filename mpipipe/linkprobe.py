@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from mpi4py import MPI
 
-from .transport import ACT, Transport
+from mpipipe.core.transport import ACT, Transport
 
 __all__ = ["measure", "main"]
 

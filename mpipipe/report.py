@@ -22,9 +22,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .progress import THROUGHPUT
-from .progress import throughput as _throughput
-from .runlog import LogError, RunData, open_for_reading, open_log
+from mpipipe.core.progress import THROUGHPUT
+from mpipipe.core.progress import throughput as _throughput
+from mpipipe.core.runlog import LogError, RunData, open_for_reading, open_log
 
 __all__ = ["load_run", "summarize", "compare", "plot_runs", "plot_tradeoff", "add_parser", "main"]
 
@@ -145,7 +145,7 @@ def last_step(run: RunData) -> int:
 
 def throughput(run: RunData) -> float:
     """The run's samples/s, as the summary line and the progress display give it:
-    :func:`mpipipe.progress.throughput` of the log's ``time`` and ``samples`` columns
+    :func:`mpipipe.core.progress.throughput` of the log's ``time`` and ``samples`` columns
     (samples of steps 2..n over the wall seconds from step 1 to step n)."""
     t = _float(run.steps.get("time", np.array([])))
     s = _float(run.steps.get("samples", np.array([])))

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mpipipe import package_version
-from mpipipe.cli import add_train_arguments
+from mpipipe.core.cli import add_train_arguments
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _defaults() -> str:
-    from mpipipe.config import dump_toml
+    from mpipipe.core.config import dump_toml
 
     from .config import STANNIS_DEFAULTS
 

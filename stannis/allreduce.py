@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from mpipipe.replica import pack_state, unpack_state
-from mpipipe.transport import pause
+from mpipipe.core.statecodec import pack_state, unpack_state
+from mpipipe.core.transport import pause
 
 
 def broadcast_state(comm: Any, params: Sequence[torch.nn.Parameter],

@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mpipipe.inject import FaultError, parse_all
-from mpipipe.lr import SCHEDULES
-from mpipipe.roles import LaunchPlan, PlanError, Role
+from mpipipe.core.faults import FaultError, parse_all
+from mpipipe.core.lr import SCHEDULES
+from mpipipe.core.roles import LaunchPlan, PlanError, Role
 
 from .csd import CsdProfile
 from .energy import SOURCES

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import native
-from mpipipe.data import DataError, bad_label, damaged
+from mpipipe.core.data import DataError, bad_label, damaged
 
 __all__ = ["DataError", "open_split", "to_tensors", "BatchStream"]
 
@@ -39,7 +39,7 @@ def open_split(directory: str | Path) -> Any:
 
 
 def to_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images as float32 (uint8 scaled to [0, 1], as mpipipe.data does) and labels as int64."""
+    """Images as float32 (uint8 scaled to [0, 1], as mpipipe.core.data does) and labels as int64."""
     image = batch["image"]
     x = torch.from_numpy(np.ascontiguousarray(image))
     x = x.float().div_(255.0) if image.dtype == np.uint8 else x.float()

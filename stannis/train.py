@@ -15,12 +15,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpipipe import ft, stop
-from mpipipe.cli import Run, start_run
-from mpipipe.data import DataFault, label_range_ok, test_batches
-from mpipipe.inject import FaultPlan, parse_all
-from mpipipe.lr import decay, set_lr
-from mpipipe.models import build_model
+from mpipipe.core import ft, stop
+from mpipipe.core.cli import Run, start_run
+from mpipipe.core.data import DataFault, label_range_ok, test_batches
+from mpipipe.core.faults import FaultPlan, parse_all
+from mpipipe.core.lr import decay, set_lr
+from mpipipe.core.models import build_model
 
 from .allreduce import WeightedAllreduce, broadcast_state
 from .audit import AuditedComm
@@ -55,7 +55,7 @@ STEP_FIGURES = ("compute_s", "batch_size", "loss_sum", "busy_s")
 LATE_FIGURES = ("wait_s", "joules", "bytes_sent", "bytes_recv", "mpi_bytes", "unaudited_bytes")
 FIGURES = STEP_FIGURES + LATE_FIGURES
 FIG_BYTES = 8 * len(FIGURES)
-STOP_BYTES = 8  # the step's stop code (mpipipe.stop), reduced with the gradients
+STOP_BYTES = 8  # the step's stop code (mpipipe.core.stop), reduced with the gradients
 # Start-up phases (benchmark, first plan) a job tries before it gives up: each failed
 # one dropped a dead CSD or hit an MPI error that a shrink did not explain.
 START_ATTEMPTS = 4
@@ -702,7 +702,7 @@ class Trainer:
         joules = sum(t["joules"] for t in self.totals.values()) if len(sources) == 1 else math.nan
         summary = {
             "steps": self.step, "samples": samples, "seconds": elapsed,
-            "samples_per_s": self.run.progress.samples_per_s, "energy_sources": sources,  # throughput: mpipipe.progress
+            "samples_per_s": self.run.progress.samples_per_s, "energy_sources": sources,  # mpipipe.core.progress
             "joules": joules, "samples_per_joule": samples / joules if joules else 0.0,
             "accuracy": accuracy, "loss": getattr(self, "last_loss", math.nan),
             "final_batches": dict(zip(self.members, self.batches, strict=True)),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.launch import ROOT, mpirun_env
+from mpipipe.core.launch import ROOT, mpirun_env
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,9 @@ import h5py
 import numpy as np
 import pytest
 
-from mpipipe.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, ConfigError, load_config
-from mpipipe.roles import LaunchPlan, PlanError, Role, check_world_size, pipeline_plan
-from mpipipe.runlog import LogError, RunLog, open_log
+from mpipipe.core.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, ConfigError, load_config
+from mpipipe.core.roles import LaunchPlan, PlanError, Role, check_world_size, pipeline_plan
+from mpipipe.core.runlog import LogError, RunLog, open_log
 
 
 def write(tmp_path, text, name="c.toml"):
@@ -337,7 +337,7 @@ def test_open_log_reads_a_log_cut_mid_row(tmp_path):
 
 
 def test_dump_toml_round_trips_the_defaults(tmp_path):
-    from mpipipe.config import dump_toml
+    from mpipipe.core.config import dump_toml
 
     p = write(tmp_path, dump_toml(PIPELINE_DEFAULTS))
     assert load_config(p) == load_config(None)
@@ -348,7 +348,7 @@ def test_dump_toml_round_trips_the_defaults(tmp_path):
 def test_cosine_rate_follows_torch_cosine_annealing():
     import torch
 
-    from mpipipe.lr import decay, rate_at, set_lr
+    from mpipipe.core.lr import decay, rate_at, set_lr
 
     total, base = 12, 0.05
     p = torch.nn.Parameter(torch.zeros(1))
@@ -378,7 +378,7 @@ def test_console_scripts_point_at_the_module_entry_points_and_print_the_version(
     from setuptools.config.pyprojecttoml import read_configuration
 
     import mpipipe
-    from mpipipe.launch import ROOT
+    from mpipipe.core.launch import ROOT
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(scripts) == {"mpipipe", "stannis"}
@@ -400,7 +400,7 @@ def test_version_in_a_real_process_installed_or_not():
     import sys
 
     import mpipipe
-    from mpipipe.launch import ROOT
+    from mpipipe.core.launch import ROOT
 
     for name in ("mpipipe", "stannis"):
         p = subprocess.run([sys.executable, "-c", f"import sys; from {name}.__main__ import main; sys.exit(main())",

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpipipe.launch import ROOT, run_mpi
-from mpipipe.runlog import RunLog, open_log
+from mpipipe.core.launch import ROOT, run_mpi
+from mpipipe.core.runlog import RunLog, open_log
 
 RESPIPE = ROOT / "jobs" / "configs" / "respipe-digits.toml"
 PIPELINE = ROOT / "jobs" / "configs" / "pipeline-digits.toml"

@@ -246,8 +246,8 @@ def test_a_rank_that_looks_free_per_sample_cannot_fill_the_batch() -> None:
 
 
 def test_launch_plan_rejects_an_oversample_factor_below_one() -> None:
-    from mpipipe.config import load_config
-    from mpipipe.roles import PlanError
+    from mpipipe.core.config import load_config
+    from mpipipe.core.roles import PlanError
     from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
     cfg = load_config(None, ["stannis.max_oversample=0.5"], STANNIS_DEFAULTS)
@@ -262,8 +262,8 @@ def test_launch_plan_rejects_an_oversample_factor_below_one() -> None:
     ("stannis.settle_min_gain=-0.1", r"stannis.settle_min_gain = -0.1: use a gain >= 0"),
 ])
 def test_launch_plan_rejects_a_bad_settling_bar(setting: str, message: str) -> None:
-    from mpipipe.config import load_config
-    from mpipipe.roles import PlanError
+    from mpipipe.core.config import load_config
+    from mpipipe.core.roles import PlanError
     from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
     with pytest.raises(PlanError, match=message):
@@ -344,8 +344,8 @@ def test_after_a_speed_change_the_tuner_settles_once_at_the_lower_bar(settle_thr
 
 
 def test_launch_plan_rejects_a_fault_inside_a_micro_batch() -> None:
-    from mpipipe.config import load_config
-    from mpipipe.roles import PlanError
+    from mpipipe.core.config import load_config
+    from mpipipe.core.roles import PlanError
     from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
     cfg = load_config(None, ['stannis.inject=["kill:rank=2:step=3:micro=1"]'], STANNIS_DEFAULTS)

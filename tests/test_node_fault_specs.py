@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe import inject
-from mpipipe.inject import FaultError, FaultPlan, check_nodes, firing_rank, parse
+from mpipipe.core import faults as inject
+from mpipipe.core.faults import FaultError, FaultPlan, check_nodes, firing_rank, parse
 
 
 @pytest.mark.parametrize("spec, text", [
@@ -68,8 +68,8 @@ def test_a_dry_plan_logs_a_node_fault_and_does_nothing() -> None:
 
 
 def test_a_node_fault_on_the_stannis_host_node_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpipipe import testbed
-    from mpipipe.roles import LaunchPlan, Role
+    from mpipipe.core import testbed
+    from mpipipe.core.roles import LaunchPlan, Role
 
     bed = testbed.Testbed(tuple(testbed.Node(n, 0.5, 100.0) for n in ("host", "csd1")),
                           testbed.ipaddress.IPv4Network("10.213.0.0/24"))
@@ -84,8 +84,8 @@ def test_a_node_fault_on_the_stannis_host_node_is_refused(monkeypatch: pytest.Mo
 
 
 def test_stannis_takes_a_node_kill_and_refuses_a_partition() -> None:
-    from mpipipe.config import load_config
-    from mpipipe.roles import PlanError
+    from mpipipe.core.config import load_config
+    from mpipipe.core.roles import PlanError
     from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
     cfg = load_config(None, ['stannis.inject=["node-kill:node=csd1:step=5"]'], STANNIS_DEFAULTS)
@@ -97,8 +97,8 @@ def test_stannis_takes_a_node_kill_and_refuses_a_partition() -> None:
 
 
 def test_a_spare_rank_never_fires_a_node_fault(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpipipe import testbed
-    from mpipipe.roles import LaunchPlan, Role
+    from mpipipe.core import testbed
+    from mpipipe.core.roles import LaunchPlan, Role
 
     bed = testbed.Testbed(tuple(testbed.Node(n, 0.5, 100.0, 2) for n in ("a", "b")),
                           testbed.ipaddress.IPv4Network("10.213.0.0/24"))
@@ -115,8 +115,8 @@ def test_a_relaunch_can_be_kept_to_some_testbed_nodes_in_order() -> None:
     """run_mpi(nodes=...): mpirun's --host picks the nodes (a spare for a dead one), with their slots."""
     import ipaddress
 
-    from mpipipe.launch import mpirun_command
-    from mpipipe.testbed import Node, Testbed, TestbedError
+    from mpipipe.core.launch import mpirun_command
+    from mpipipe.core.testbed import Node, Testbed, TestbedError
 
     bed = Testbed((Node("a", 0.5, 100), Node("b", 0.5, 100), Node("c", 0.5, 100, slots=2)),
                   ipaddress.IPv4Network("10.213.0.0/24"))

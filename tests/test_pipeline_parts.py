@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpipipe import checkpoint
-from mpipipe.models import build_model
-from mpipipe.partition import balance_by_params, balance_by_time, balance_costs, split
-from mpipipe.schedule import actions, gpipe, onef1b
-from mpipipe.transport import make_tag, split_tag
+from mpipipe.core import checkpoint
+from mpipipe.core.models import build_model
+from mpipipe.core.transport import make_tag, split_tag
+from mpipipe.pipeline.partition import balance_by_params, balance_by_time, balance_costs, split
+from mpipipe.pipeline.schedule import actions, gpipe, onef1b
 
 
 @given(k=st.integers(1, 6), m=st.integers(1, 12), name=st.sampled_from(["gpipe", "1f1b"]))
@@ -133,8 +133,8 @@ def test_run_epochs_count_the_batches_the_reader_hands_out(digits, drop_last):
     """run.epochs becomes steps with the run's own data.drop_last: exactly the batches
     TrainBatches gives in that many epochs (digits: 1438 train records, 44 full batches
     of 32 and a remainder of 30, which is a step only when padded)."""
-    from mpipipe import data
-    from mpipipe.config import load_config
+    from mpipipe.core import data
+    from mpipipe.core.config import load_config
 
     sets = [f'data.path="{digits}"', "data.batch_size=32", f"data.drop_last={str(drop_last).lower()}"]
     cfg = load_config(None, [*sets, "run.steps=0", "run.epochs=2"])

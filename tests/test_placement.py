@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.config import load_config
-from mpipipe.placement import check_placement, guards
-from mpipipe.roles import PlanError, pipeline_plan
+from mpipipe.core.config import load_config
+from mpipipe.core.placement import check_placement, guards
+from mpipipe.core.roles import PlanError, pipeline_plan
 
 
 def plan_of(*settings: str, world: int):

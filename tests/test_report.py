@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpipipe import report
-from mpipipe.runlog import RunLog
+from mpipipe.core.runlog import RunLog
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -368,7 +368,7 @@ def test_closed_pipe_is_quiet_and_plots_are_still_made(tmp_path: Path) -> None:
 
 WRITER = """
 import sys, time
-from mpipipe.runlog import RunLog
+from mpipipe.core.runlog import RunLog
 log = RunLog(sys.argv[1], system="mpipipe", config={}, comm_size=2, attrs={"plan": "0=stage 0, 1=stage 1"})
 step = 0
 end = time.monotonic() + float(sys.argv[2])
@@ -417,7 +417,7 @@ def test_reads_a_log_while_its_run_writes_it(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_throughput_is_the_same_figure_in_progress_and_report(tmp_path: Path) -> None:
-    from mpipipe.progress import Progress, throughput
+    from mpipipe.core.progress import Progress, throughput
 
     run = report.load_run(pipeline_log(tmp_path / "t.h5"))
     progress = Progress(30, enabled=False)
@@ -430,7 +430,7 @@ def test_throughput_is_the_same_figure_in_progress_and_report(tmp_path: Path) ->
 
 
 def test_a_resumed_log_counts_neither_the_gap_nor_each_sessions_first_step(tmp_path: Path) -> None:
-    from mpipipe.progress import throughput
+    from mpipipe.core.progress import throughput
 
     path = tmp_path / "resumed.h5"
     log = RunLog(path, system="mpipipe", config={}, comm_size=3)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpipipe.launch import run_mpi
+from mpipipe.core.launch import run_mpi
 
 STEPS, BATCH = 20, 32
 
@@ -43,7 +43,7 @@ NO_BACKUP = "resilience.backups={}"
 
 
 def _open(log: Path):
-    from mpipipe.runlog import open_log
+    from mpipipe.core.runlog import open_log
 
     return open_log(log)
 
@@ -54,10 +54,10 @@ def _params(ckpt: Path) -> list[dict[str, torch.Tensor]]:
 
 def _predicted(log_path: Path):
     """The cost model of this run's cut (a ``Cost``), recomputed here from its config."""
-    from mpipipe import costmodel
-    from mpipipe.models import build_model
-    from mpipipe.partition import split
-    from mpipipe.roles import _backup_counts
+    from mpipipe.core.models import build_model
+    from mpipipe.core.roles import _backup_counts
+    from mpipipe.pipeline.partition import split
+    from mpipipe.respipe import costmodel
 
     run = _open(log_path)
     cfg = run.config

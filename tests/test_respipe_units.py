@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe import costmodel, ft, inject
-from mpipipe.costmodel import StageShape
+from mpipipe.core import faults as inject
+from mpipipe.core import ft
+from mpipipe.respipe import costmodel
+from mpipipe.respipe.costmodel import StageShape
 
 # -- fault specs ------------------------------------------------------------------------------
 
@@ -235,7 +237,7 @@ def test_cost_command_prints_the_trade_off_over_r(capsys):
 def test_replica_round_trip_restores_parameters_and_optimizer_state(optim):
     import torch
 
-    from mpipipe.replica import pack_state, replica_numel, unpack_state
+    from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
 
     def model_and_opt(seed):
         torch.manual_seed(seed)
@@ -264,7 +266,7 @@ def test_replica_round_trip_restores_parameters_and_optimizer_state(optim):
 
 
 def test_a_round_waits_briefly_only_for_ranks_already_found_late() -> None:
-    from mpipipe.resilience import round_patience
+    from mpipipe.respipe.trainer import round_patience
 
     # Stage 1 (rank 1) missed its deadline: one more median step, then it is replaced.
     assert round_patience([1], late=[1], members=6, grace=0.5, quick=0.01) == 0.01
@@ -277,8 +279,8 @@ def test_a_round_waits_briefly_only_for_ranks_already_found_late() -> None:
 
 
 def test_batch_cache_jumps_to_a_far_step_and_matches_reading_through(digits) -> None:
-    from mpipipe.data import TrainBatches
-    from mpipipe.resilience import BatchCache
+    from mpipipe.core.data import TrainBatches
+    from mpipipe.respipe.trainer import BatchCache
 
     through = TrainBatches(digits, 32, seed=3)
     ahead = TrainBatches(digits, 32, seed=3)
@@ -293,7 +295,7 @@ def test_batch_cache_jumps_to_a_far_step_and_matches_reading_through(digits) -> 
 
 
 def test_a_decision_survives_its_trip_as_one_vector() -> None:
-    from mpipipe.resilience import encode_decision, read_decision
+    from mpipipe.respipe.trainer import encode_decision, read_decision
 
     d = {"gen": 3, "P": 41, "lost_stage": -1, "merge": -1, "shrink": 0, "reason": "rejoin",
          "suspect": 1, "t_detect": 1.7e9 + 0.25, "waited_s": 1.7e9, "members": [0, 1, 2, 4, 5],
@@ -329,7 +331,7 @@ CHECK_PLAN = "0=stage 0, 1=stage 1, 2=stage 2, 3=backup 1"
 
 def _check(*specs: str, steps: int | None = 20, chunks: int | None = 4,
            mode: str = "cold") -> None:
-    from mpipipe.roles import LaunchPlan, Role
+    from mpipipe.core.roles import LaunchPlan, Role
 
     plan = LaunchPlan(tuple(Role.parse(r.split("=")[1]) for r in CHECK_PLAN.split(", ")))
     inject.check_reachable(inject.parse_all(specs), plan, steps=steps, chunks=chunks, mode=mode)
@@ -363,8 +365,8 @@ def test_faults_that_can_fire_pass_the_check() -> None:
 
 
 def test_what_a_rank_holds_decides_what_it_is_sent_again() -> None:
-    from mpipipe.pipeline import SHADOW_GRAD_MICRO, Have, _has
-    from mpipipe.transport import ACT, EVAL, GRAD, LABEL, SHADOW
+    from mpipipe.core.transport import ACT, EVAL, GRAD, LABEL, SHADOW
+    from mpipipe.pipeline.engine import SHADOW_GRAD_MICRO, Have, _has
 
     h = Have(step=7, inputs=0b0101, grads=0b0010, labels=True)
     assert Have.decode(h.encode()) == h
@@ -390,7 +392,7 @@ def _heard(done: int, kind: int = 0, index: int = 0, records_from: int | None = 
 def _respipe_for_rounds(mode: str = "hot"):
     from types import SimpleNamespace
 
-    from mpipipe.resilience import ResPipe, Settings
+    from mpipipe.respipe.trainer import ResPipe, Settings
 
     r = ResPipe.__new__(ResPipe)
     r.settings = Settings(backups={1: 1}, mode=mode)
@@ -432,7 +434,7 @@ def test_a_round_finishes_the_step_in_flight_only_when_every_rank_can() -> None:
 
 def test_a_backup_fires_only_the_faults_aimed_at_its_rank() -> None:
     """A rank that played stage 1 and rejoined as a backup is not stage 1 any more."""
-    from mpipipe.inject import FaultPlan, parse_all
+    from mpipipe.core.faults import FaultPlan, parse_all
 
     slept: list[float] = []
     plan = FaultPlan(parse_all(["delay:stage=1:p=1:seconds=2", "stall:rank=1:step=3:seconds=1"]),

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.config import PIPELINE_DEFAULTS, load_config
-from mpipipe.launch import ROOT, run_mpi
-from mpipipe.roles import PlanError, Role, pipeline_plan
+from mpipipe.core.config import PIPELINE_DEFAULTS, load_config
+from mpipipe.core.launch import ROOT, run_mpi
+from mpipipe.core.roles import PlanError, Role, pipeline_plan
 from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
 CONFIG = ROOT / "jobs" / "configs" / "respipe-digits.toml"
@@ -47,7 +47,7 @@ def _train(digits, tmp_path, name: str, *extra: str, ulfm: bool):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("ulfm", [False, True], ids=["plain", "ulfm"])
 def test_a_plain_pipeline_with_spares_trains_on_its_stages_alone(digits, tmp_path, ulfm) -> None:
-    from mpipipe.runlog import open_log
+    from mpipipe.core.runlog import open_log
 
     result, log = _train(digits, tmp_path, "spares", ulfm=ulfm)
     assert result.returncode == 0, result.stderr[-2000:]

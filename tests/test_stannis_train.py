@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpipipe.launch import ROOT, mpirun_env, run_mpi
-from mpipipe.models import build_model
-from mpipipe.runlog import open_log
+from mpipipe.core.launch import ROOT, mpirun_env, run_mpi
+from mpipipe.core.models import build_model
+from mpipipe.core.runlog import open_log
 
 CONFIG = ROOT / "jobs" / "configs" / "stannis-digits.toml"
 
@@ -200,7 +200,7 @@ def test_csd_killed_during_the_benchmark_is_dropped_and_the_rest_start_over(
     import signal
     import threading
 
-    from mpipipe.launch import kill_job, start_mpi
+    from mpipipe.core.launch import kill_job, start_mpi
 
     log = tmp_path / "bench-kill.h5"
     argv = ["-m", "stannis", "train", "--config", str(CONFIG), "--log", str(log),

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.launch import run_mpi
+from mpipipe.core.launch import run_mpi
 
 SCRIPT = """
 import os, signal, torch
 from mpi4py import MPI
-from mpipipe.transport import ACT, PeerFailed, Transport
+from mpipipe.core.transport import ACT, PeerFailed, Transport
 comm = MPI.COMM_WORLD
 t = Transport(comm)
 comm.Barrier()

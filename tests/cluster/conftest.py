@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe import testbed
-from mpipipe.testbed import Testbed
+from mpipipe.core import testbed
+from mpipipe.core.testbed import Testbed
 
 THREE_NODES = """\
 subnet = "10.213.0.0/24"

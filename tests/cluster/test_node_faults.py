@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpipipe import testbed
-from mpipipe.launch import run_mpi
-from mpipipe.runlog import open_log
+from mpipipe.core import testbed
+from mpipipe.core.launch import run_mpi
+from mpipipe.core.runlog import open_log
 
 # Ranks fill slots in file order: stage 0 (rank 0) on a, stage 1 (rank 1) on b, stage 2
 # (rank 2) and the backup of stage 1 (rank 3) on c; d is empty.

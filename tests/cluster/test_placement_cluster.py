@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe import testbed
-from mpipipe.launch import ROOT, run_mpi
-from mpipipe.runlog import open_log
+from mpipipe.core import testbed
+from mpipipe.core.launch import ROOT, run_mpi
+from mpipipe.core.runlog import open_log
 
 # Node a takes two ranks; b and c one each (ranks fill slots in file order).
 NODES = """\

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe import testbed
-from mpipipe.launch import ROOT, mpirun_env
-from mpipipe.runlog import open_log
+from mpipipe.core import testbed
+from mpipipe.core.launch import ROOT, mpirun_env
+from mpipipe.core.runlog import open_log
 
 sys.path.insert(0, str(ROOT / "tests" / "slurm"))
 import check_logs  # noqa: E402

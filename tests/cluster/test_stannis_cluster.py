@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe import testbed
-from mpipipe.launch import ROOT, run_mpi
-from mpipipe.runlog import open_log
+from mpipipe.core import testbed
+from mpipipe.core.launch import ROOT, run_mpi
+from mpipipe.core.runlog import open_log
 
 # The host first, so it gets rank 0 (Stannis's host rank); CSD k is rank k.
 NODES = """\

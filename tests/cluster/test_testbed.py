@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe import testbed
-from mpipipe.launch import kill_job, run_mpi, start_mpi
+from mpipipe.core import testbed
+from mpipipe.core.launch import kill_job, run_mpi, start_mpi
 
 WHERE = ("import socket; from mpi4py import MPI; "
          "cg = [l for l in open('/proc/self/cgroup').read().splitlines() if ':cpu:' in l or l.startswith('0::')]; "

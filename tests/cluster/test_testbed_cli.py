@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe import testbed
-from mpipipe.launch import ROOT, mpirun_env, run_mpi
+from mpipipe.core import testbed
+from mpipipe.core.launch import ROOT, mpirun_env, run_mpi
 
 
 def _cli(*args: str, user: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

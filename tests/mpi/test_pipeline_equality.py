@@ -10,10 +10,10 @@ from mpi4py import MPI
 from torch import nn
 
 from mpipipe import Pipeline
-from mpipipe.models import build_model
-from mpipipe.partition import balance_by_params, split
-from mpipipe.pipeline import Route
-from mpipipe.transport import ACT, Late, Transport
+from mpipipe.core.models import build_model
+from mpipipe.core.transport import ACT, Late, Transport
+from mpipipe.pipeline.engine import Route
+from mpipipe.pipeline.partition import balance_by_params, split
 
 TOL = 1e-5
 STEPS = 3

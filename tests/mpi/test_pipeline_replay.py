@@ -11,8 +11,8 @@ from mpi4py import MPI
 from torch import nn
 
 from mpipipe import Pipeline, Route
-from mpipipe.models import build_model
-from mpipipe.transport import Late
+from mpipipe.core.models import build_model
+from mpipipe.core.transport import Late
 
 
 def _pair(world: MPI.Comm) -> MPI.Comm | None:

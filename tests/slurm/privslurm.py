@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = Path(__file__).with_name("slurm.conf.in")
 sys.path.insert(0, str(ROOT))  # run as a script from run.sh: mpipipe from this tree
 
-from mpipipe import testbed as _testbed  # noqa: E402
+from mpipipe.core import testbed as _testbed  # noqa: E402
 
 __all__ = ["Cluster", "SlurmError", "first_job_id", "start", "stop", "main"]
 

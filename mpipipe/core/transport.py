@@ -42,7 +42,7 @@ _wait_hook: Callable[[], None] | None = None
 def set_wait_hook(hook: Callable[[], None] | None) -> None:
     """Call ``hook()`` every HOOK_EVERY_S while any receive or flush waits; an exception it
     raises ends the wait (the receive is cancelled). Why: ResPipe's clean stop reaches a
-    rank blocked on a peer that stopped (mpipipe.stop) long before that peer's deadline."""
+    rank blocked on a peer that stopped (mpipipe.core.stop) long before that peer's deadline."""
     global _wait_hook
     _wait_hook = hook
 

@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpipipe.core.statecodec import state_bytes
+
 __all__ = [
     "StageShape",
     "Cost",
@@ -107,22 +109,6 @@ class Cost:
     def overhead(self) -> float:
         """ResPipe's extra bytes as a fraction of the plain pipeline's."""
         return (self.replica + self.shadow) / self.plain if self.plain else math.inf
-
-
-def state_bytes(param_bytes: int, n_tensors: int, optim: str, momentum: float = 0.0) -> int:
-    """Bytes of optimizer state a replica carries (the layout used by resilience's replicas).
-
-    SGD with momentum keeps one buffer per parameter, SGD without none; Adam
-    keeps two moments per parameter and one float32 step count per tensor.
-
-    Raises:
-        ValueError: an optimizer the replicas do not know how to carry.
-    """
-    if optim == "sgd":
-        return param_bytes if momentum else 0
-    if optim == "adam":
-        return 2 * param_bytes + 4 * n_tensors
-    raise ValueError(f"optimizer {optim!r}: replicas know sgd and adam")
 
 
 def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int], optim: str,
@@ -378,8 +364,8 @@ def cost_main(args: Any) -> int:
     import json
     import sys
 
-    from .config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, ConfigError, load_config
-    from .roles import PlanError, _backup_counts
+    from mpipipe.core.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, ConfigError, load_config
+    from mpipipe.core.roles import PlanError, _backup_counts
 
     prog = "mpipipe cost"
     try:
@@ -425,15 +411,15 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
     """
     import torch
 
-    from .models import build_model
-    from .partition import balance_by_params, check_balance, split
+    from mpipipe.core.models import build_model
+    from mpipipe.pipeline.partition import balance_by_params, check_balance, split
 
     if in_shape_arg:
         in_shape = tuple(int(v) for v in in_shape_arg.split(","))
         if len(in_shape) != 3:
             raise ValueError(f"--in-shape {in_shape_arg!r}: give C,H,W, e.g. 1,8,8")
     else:
-        from . import data
+        from mpipipe.core import data
 
         try:
             in_shape = data.image_shape(cfg["data"]["path"])

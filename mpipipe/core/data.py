@@ -24,7 +24,7 @@ class DataError(ValueError):
 class DataFault(DataError):
     """A fatal data error found while training: a damaged record or a label out of range.
 
-    Not a failure of the rank that found it: every rank stops (mpipipe.stop), none
+    Not a failure of the rank that found it: every rank stops (mpipipe.core.stop), none
     takes over. The message is one line naming the shard, the record and the fix.
     """
 

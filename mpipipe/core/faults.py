@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from .roles import LaunchPlan
+    from mpipipe.core.roles import LaunchPlan
 
 __all__ = ["Fault", "FaultError", "FaultPlan", "parse", "parse_all", "check_reachable", "check_nodes",
            "firing_rank", "kill_node", "set_link", "KINDS", "NODE_KINDS"]
@@ -47,7 +47,7 @@ _EXAMPLES = {
 }
 DEFAULT_STALL_S = 5.0
 DEFAULT_PARTITION_S = 10.0
-# A testbed node's name (mpipipe.testbed.NAME_RE), with or without the mpt- prefix.
+# A testbed node's name (mpipipe.core.testbed.NAME_RE), with or without the mpt- prefix.
 _NODE_RE = re.compile(r"^(?:mpt-)?([a-z][a-z0-9]{0,10})$")
 _hosts: tuple[str, ...] | None = None  # every rank's host, recorded by check_nodes
 
@@ -285,7 +285,7 @@ def check_nodes(faults: Sequence[Fault], hosts: Sequence[str], plan: LaunchPlan 
     nodes = [f for f in faults if f.node is not None]
     if not nodes:
         return
-    from .testbed import current
+    from mpipipe.core.testbed import current
 
     tb = current()
     names = {n.host for n in tb.nodes} if tb is not None else set()
@@ -307,7 +307,7 @@ def check_nodes(faults: Sequence[Fault], hosts: Sequence[str], plan: LaunchPlan 
 
 def _node_procs(node: str) -> Path:
     """The ``cgroup.procs`` file of testbed node ``node`` (named in the testbed's state)."""
-    from .testbed import STATE
+    from mpipipe.core.testbed import STATE
 
     return Path((STATE / "nodes" / ("mpt-" + node)).read_text().strip())
 

@@ -39,17 +39,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import ft
-from .checkpoint import CheckpointError
-from .costmodel import predict, stage_shapes
-from .data import DataFault
-from .inject import Fault, FaultPlan
-from .lr import set_rate_for_step
-from .pipeline import SHADOW_GRAD_MICRO, Have, Pipeline, Route, stage_consumers
-from .replica import pack_state, replica_numel, unpack_state
-from .runlog import LogError
-from .stop import ControlStop, StopRun
-from .transport import CTRL, REPLICA, SHADOW, Late, PeerFailed, pause, set_wait_hook
+from mpipipe.core import ft
+from mpipipe.core.checkpoint import CheckpointError
+from mpipipe.core.data import DataFault
+from mpipipe.core.faults import Fault, FaultPlan
+from mpipipe.core.lr import set_rate_for_step
+from mpipipe.core.runlog import LogError
+from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
+from mpipipe.core.stop import ControlStop, StopRun
+from mpipipe.core.transport import CTRL, REPLICA, SHADOW, Late, PeerFailed, pause, set_wait_hook
+from mpipipe.pipeline.engine import SHADOW_GRAD_MICRO, Have, Pipeline, Route, stage_consumers
+from mpipipe.respipe.costmodel import predict, stage_shapes
 
 __all__ = [
     "Settings",
@@ -74,7 +74,7 @@ _ANNOUNCE, _DECISION, _DEMOTED, _END, _FIGS, _FAULT, _EVAL = range(1, 8)
 # coordinator admits it (the round's decision) or tells it the job is over.
 _REJOIN, _ADMIT, _CLOSED = range(8, 11)
 _RELEASED = 11  # on the lobby: a replaced log writer has closed the file
-_STOP, _STOP_ASK = 12, 13  # the clean stop (mpipipe.stop.ControlStop), on the control plane
+_STOP, _STOP_ASK = 12, 13  # the clean stop (mpipipe.core.stop.ControlStop), on the control plane
 _CTL_LEN = 256
 _REASONS = {0: "none", 1: "late", 2: "failed", 3: "revoked", 4: "announced", 5: "rejoin"}
 REJOIN_WAIT_S = 300.0  # how long a replaced rank waits to be admitted or told the job ended
@@ -143,8 +143,8 @@ class Settings:
         Raises:
             ValueError: R < 1, a deadline <= 0, or a bad fault spec (names the key).
         """
-        from .inject import parse_all
-        from .roles import _backup_counts
+        from mpipipe.core.faults import parse_all
+        from mpipipe.core.roles import _backup_counts
 
         sec = cfg["resilience"]
         r = int(sec["replicate_every"])
@@ -484,7 +484,7 @@ class ResPipe:
 
     def _say(self, text: str) -> None:
         """A rank's own note, for debugging rounds (MPIPIPE_DEBUG_ROUNDS=1); what users see
-        is printed once, by the log writer, from the events (mpipipe.progress.event_line)."""
+        is printed once, by the log writer, from the events (mpipipe.core.progress.event_line)."""
         if _DEBUG:
             print(f"mpipipe: rank {self.wrank}: {text}", file=self.out, flush=True)
 
@@ -828,7 +828,7 @@ class ResPipe:
 
     def _checkpoint(self) -> None:
         """This stage writes its own file (atomically); no barrier, so no rank can hang on it."""
-        from . import checkpoint
+        from mpipipe.core import checkpoint
 
         assert self.stage is not None
         checkpoint.save_stage(self.checkpoint_dir, step=self.done, stage=self.stage,
@@ -1706,7 +1706,7 @@ class _NoParams:
 def _eval_fn(cfg: Mapping[str, Any], eval_batches: int
              ) -> Callable[[Pipeline], tuple[int, int] | None]:
     """A forward-only pass over the test split; (correct, count) on the last stage."""
-    from . import data
+    from mpipipe.core import data
 
     path, bs = cfg["data"]["path"], cfg["data"]["batch_size"]
 
@@ -1740,12 +1740,12 @@ def _close_log(run: Any, status: str) -> bool:
 def train(run: Any) -> int:
     """`python -m mpipipe train` with ResPipe: the resilient loop on every rank; exit status.
 
-    Builds the same model, pipeline and data as the plain loop (mpipipe.train.setup),
+    Builds the same model, pipeline and data as the plain loop (mpipipe.pipeline.train.setup),
     then hands the steps to :class:`ResPipe`. A stage lost with no backup stops every
     survivor with one error line naming the stage (exit 2) and a closed, readable log.
     """
-    from . import checkpoint, data, stop
-    from . import train as plain
+    from mpipipe.core import checkpoint, data, stop
+    from mpipipe.pipeline import train as plain
 
     s = plain.setup(run)
     cfg, log, progress = run.cfg, run.log, run.progress

@@ -66,6 +66,6 @@ def _idle_until_end(end: Any, MPI: Any) -> None:
     except MPI.Exception:
         # A working rank died (ULFM). Leave without MPI_Finalize, whose world-wide
         # agreement could wait for the dead rank (as ResPipe's ranks do).
-        from .stop import flush_and_exit
+        from mpipipe.core.stop import flush_and_exit
 
         flush_and_exit(0)

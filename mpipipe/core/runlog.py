@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import h5py
 import numpy as np
 
-from .progress import spans
+from mpipipe.core.progress import spans
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_log", "open_for_reading",
            "package_versions"]
@@ -468,10 +468,10 @@ class RunLog:
         return self._file[group][name][()]
 
     def throughput(self) -> float:
-        """:func:`mpipipe.progress.throughput` of this writer's file as it holds it now, its
+        """:func:`mpipipe.core.progress.throughput` of this writer's file as it holds it now, its
         ``resume`` events included (NaN where this rank's file is not open): the figure the
         report will give, so that a resumed run's summary says the same."""
-        from .progress import throughput
+        from mpipipe.core.progress import throughput
 
         kinds = [k.decode() if isinstance(k, bytes) else str(k) for k in self.written("kind", "events")]
         resumed = [int(st) for k, st in zip(kinds, self.written("step", "events"), strict=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .lr import SCHEDULES
+from mpipipe.core.lr import SCHEDULES
 
 __all__ = ["ConfigError", "PIPELINE_DEFAULTS", "PIPELINE_CHOICES", "dump_toml", "load_config", "parse_override"]
 

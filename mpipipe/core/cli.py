@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, load_config
-from .inject import FaultError, check_nodes, check_reachable, parse_all
-from .placement import check_placement
-from .progress import Progress, startup_line
-from .roles import LaunchPlan, PlanError, check_world_size, fail_fast
-from .runlog import LogError, RunLog
+from mpipipe.core.config import ConfigError, load_config
+from mpipipe.core.faults import FaultError, check_nodes, check_reachable, parse_all
+from mpipipe.core.placement import check_placement
+from mpipipe.core.progress import Progress, startup_line
+from mpipipe.core.roles import LaunchPlan, PlanError, check_world_size, fail_fast
+from mpipipe.core.runlog import LogError, RunLog
 
 __all__ = ["Run", "add_train_arguments", "start_run", "gather_figures"]
 
@@ -95,10 +95,10 @@ def default_log_path(system: str) -> Path:
 
 
 def planned_steps(cfg: Mapping[str, Any]) -> int:
-    """The optimizer steps a pipeline run will take (:func:`mpipipe.data.run_steps`), or 0
+    """The optimizer steps a pipeline run will take (:func:`mpipipe.core.data.run_steps`), or 0
     if the data set cannot be read yet (its own check reports that). No torch: this runs
     before it."""
-    from .data import DataError, run_steps
+    from mpipipe.core.data import DataError, run_steps
 
     if int(cfg["run"]["steps"]) > 0 or int(cfg["run"].get("epochs", 0)) < 1:
         return int(cfg["run"]["steps"])
@@ -110,7 +110,7 @@ def planned_steps(cfg: Mapping[str, Any]) -> int:
 
 def check_faults(cfg: Mapping[str, Any], plan: LaunchPlan, specs: list[str], steps: int) -> None:
     """Refuse a malformed fault, or one that can never fire in this run (see
-    :func:`mpipipe.inject.check_reachable`), before torch is imported or a log is opened.
+    :func:`mpipipe.core.faults.check_reachable`), before torch is imported or a log is opened.
 
     Raises:
         FaultError: the first bad fault, named, with the reason.
@@ -236,9 +236,9 @@ def start_run(
         fail_fast(comm, error, prog, rank)
     if rank != writer:
         log = RunLog.null(where, start, system=system)
-    from . import stop
+    from mpipipe.core import stop
 
-    stop.install(hosts)  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.stop)
+    stop.install(hosts)  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.core.stop)
     if total > 0:
         log.expect_steps(1, total)
     progress = Progress(total, enabled=(rank == writer), quiet=args.quiet,

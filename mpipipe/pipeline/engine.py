@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .partition import split
-from .schedule import actions
-from .transport import ACT, EVAL, GRAD, LABEL, SHADOW, Transport
+from mpipipe.core.transport import ACT, EVAL, GRAD, LABEL, SHADOW, Transport
+from mpipipe.pipeline.partition import split
+from mpipipe.pipeline.schedule import actions
 
 __all__ = ["Pipeline", "Route", "StepState", "Have", "stage_consumers", "EVAL_LABEL_MICRO",
            "SHADOW_GRAD_MICRO"]

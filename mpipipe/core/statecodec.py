@@ -8,12 +8,28 @@ one copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where used: the cost command and the report never need it
+    import torch
 
-from .costmodel import state_bytes
+__all__ = ["state_bytes", "replica_numel", "pack_state", "unpack_state"]
 
-__all__ = ["replica_numel", "pack_state", "unpack_state"]
+
+def state_bytes(param_bytes: int, n_tensors: int, optim: str, momentum: float = 0.0) -> int:
+    """Bytes of optimizer state a replica carries (the layout :func:`pack_state` writes).
+
+    SGD with momentum keeps one buffer per parameter, SGD without none; Adam
+    keeps two moments per parameter and one float32 step count per tensor.
+
+    Raises:
+        ValueError: an optimizer the replicas do not know how to carry.
+    """
+    if optim == "sgd":
+        return param_bytes if momentum else 0
+    if optim == "adam":
+        return 2 * param_bytes + 4 * n_tensors
+    raise ValueError(f"optimizer {optim!r}: replicas know sgd and adam")
 
 
 def _state_keys(optim: str) -> tuple[str, ...]:
@@ -29,6 +45,8 @@ def replica_numel(params: Sequence[torch.Tensor], optim: str, momentum: float = 
 def pack_state(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, optim: str,
                momentum: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Parameters then optimizer state, as one flat float32 tensor (one message, no pickling)."""
+    import torch
+
     numel = replica_numel(params, optim, momentum)
     flat = out if out is not None else torch.empty(numel, dtype=torch.float32)
     pos = 0
@@ -57,6 +75,8 @@ def pack_state(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
 def unpack_state(flat: torch.Tensor, params: Sequence[torch.Tensor],
                  optimizer: torch.optim.Optimizer, optim: str, momentum: float, count: int) -> None:
     """Load a replica into ``params`` and ``optimizer`` (state only once a step was taken)."""
+    import torch
+
     pos = 0
     with torch.no_grad():
         for p in params:

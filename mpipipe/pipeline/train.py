@@ -1,0 +1,394 @@
+"""Plain pipeline training: set-up, the loop, evaluation, the log and checkpoints.
+
+ResPipe (:mod:`mpipipe.respipe.trainer`) reuses the set-up and wraps the loop; the
+`train` command (:mod:`mpipipe.train`) picks one of the two."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mpipipe.core import stop
+from mpipipe.core.cli import Run, gather_figures
+from mpipipe.core.lr import set_rate_for_step
+from mpipipe.core.roles import fail_fast
+
+# torch, the engine and the data reader are imported where used, so that a wrong
+# configuration is reported before any rank pays for importing torch.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from mpipipe.core import data
+    from mpipipe.pipeline.engine import Pipeline
+
+__all__ = ["Setup", "setup", "make_optimizer", "agree", "read_batch",
+           "train_step", "stopped",
+           "evaluate", "save_checkpoint", "train"]
+
+
+@dataclass
+class Setup:
+    """Everything built once before the first step, on every rank."""
+
+    run: Run
+    model: nn.Sequential
+    pipe: Pipeline
+    optimizer: torch.optim.Optimizer | None
+    loss_fn: nn.Module
+    in_shape: tuple[int, int, int]
+    total_steps: int
+    start_step: int = 0
+    train_data: data.TrainBatches | None = None
+    eval_batches: int = 0
+    checkpoint_dir: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_optimizer(cfg: dict, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """This stage's optimizer, or None for a stage without parameters (only ReLU, pooling)."""
+    import torch
+
+    if not params:
+        return None
+    o = cfg["optim"]
+    if o["name"] == "adam":
+        return torch.optim.Adam(params, lr=o["lr"], weight_decay=o["weight_decay"])
+    return torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"],
+                           weight_decay=o["weight_decay"])
+
+
+def agree(run: Run, error: str | None) -> None:
+    """Every rank learns the first error any rank hit, and all stop together."""
+    errors = run.comm.allgather(error)
+    first = next((e for e in errors if e), None)
+    if first:
+        run.fail(first)
+
+
+def _static_checks(cfg: dict) -> str | None:
+    """Checks every rank reaches the same verdict on without talking to the others."""
+    p, d = cfg["pipeline"], cfg["data"]
+    if p["chunks"] < 1:
+        return f"pipeline.chunks = {p['chunks']}: need at least one micro-batch"
+    if d["batch_size"] < p["chunks"]:
+        return (f"data.batch_size = {d['batch_size']} is smaller than pipeline.chunks = "
+                f"{p['chunks']}: every micro-batch needs at least one sample")
+    if cfg["run"]["steps"] < 1 and cfg["run"]["epochs"] < 1:
+        return "set run.steps or run.epochs to a positive number"
+    return None
+
+
+def setup(run: Run) -> Setup:
+    """Build model, partition, pipeline, optimizer and data on every rank.
+
+    Every configuration error stops all ranks with one line: checks that need no
+    message are made on every rank, the others are agreed with one allgather.
+    """
+    import torch
+    from torch import nn
+
+    from mpipipe.core import checkpoint, data
+    from mpipipe.core.models import build_model
+    from mpipipe.pipeline.engine import Pipeline, Route
+    from mpipipe.pipeline.partition import balance_by_params, balance_by_time, check_balance
+
+    cfg, comm = run.cfg, run.comm
+    error = _static_checks(cfg)
+    if error:
+        run.fail(error)
+    path = cfg["data"]["path"]
+    try:
+        in_shape = data.image_shape(path)
+        total = data.run_steps(cfg)
+        eval_batches = data.count_test_batches(path, cfg["data"]["batch_size"])
+        note = data.check_labels(path, cfg["model"]["num_classes"])
+        data.verify_split(path, "test", cfg["model"]["num_classes"])
+    except data.DataError as e:
+        run.fail(e)
+    if note and run.rank == 0:
+        print(f"{run.prog}: note: {note}", file=sys.stderr, flush=True)
+    k, m = cfg["pipeline"]["stages"], cfg["pipeline"]["chunks"]
+    run.progress.total = max(total, 1)
+
+    torch.manual_seed(cfg["run"]["seed"])
+    try:
+        model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], in_shape)
+    except ValueError as e:
+        run.fail(e)
+    route = Route.from_plan(run.plan, k)
+    my_stage = route.stage_of(run.rank)
+
+    # resume: each stage reads its own file; the balance comes from the checkpoint
+    state = None
+    error = None
+    if run.args.resume and my_stage is not None:
+        try:
+            state = checkpoint.load_stage(run.args.resume, my_stage)
+        except checkpoint.CheckpointError as e:
+            error = str(e)
+    agree(run, error)
+    if run.args.resume:
+        seen = comm.allgather(None if state is None else (state.step, tuple(state.balance)))
+        seen = {s for s in seen if s is not None}
+        if len(seen) != 1:
+            run.fail(f"the checkpoints in {run.args.resume} disagree on step or balance: "
+                     f"{sorted(seen)}; they are not from one run")
+
+    balance = list(cfg["pipeline"]["balance"])
+    if state is not None or run.args.resume:
+        saved = comm.bcast(list(state.balance) if state is not None else None, root=route.ranks[0])
+        if balance and balance != saved:
+            run.fail(f"pipeline.balance = {balance} differs from the checkpoint's {saved}")
+        balance = saved
+    elif not balance:
+        if k > len(model):
+            run.fail(f"pipeline.stages = {k} but model {cfg['model']['name']} has only "
+                     f"{len(model)} layers")
+        if cfg["pipeline"]["balance_by"] == "params":
+            balance = balance_by_params(model, k)
+        else:
+            # timings differ from rank to rank: one rank measures, all use its answer
+            if run.rank == 0:
+                gen = torch.Generator().manual_seed(0)
+                sample = torch.randn(cfg["data"]["batch_size"] // m, *in_shape, generator=gen)
+                balance = balance_by_time(model, sample, k)
+            balance = comm.bcast(balance, root=0)
+    try:
+        balance = check_balance(model, balance)
+        if len(balance) != k:
+            raise ValueError(f"pipeline.balance = {balance} has {len(balance)} entries for "
+                             f"pipeline.stages = {k}")
+    except ValueError as e:
+        run.fail(f"{e}")
+
+    pipe = Pipeline(model, balance, m, cfg["pipeline"]["schedule"], comm, route,
+                    in_shape=in_shape, deadline=cfg["resilience"]["deadline_s"] or None)
+    optimizer = make_optimizer(cfg, list(pipe.parameters()))
+    setup_ = Setup(run, model, pipe, optimizer, nn.CrossEntropyLoss(), in_shape, total,
+                   eval_batches=eval_batches)
+    if pipe.first:
+        setup_.train_data = data.TrainBatches(path, cfg["data"]["batch_size"],
+                                              seed=cfg["run"]["seed"],
+                                              shuffle=cfg["data"]["shuffle"],
+                                              drop_last=cfg["data"]["drop_last"],
+                                              num_classes=cfg["model"]["num_classes"])
+    error = None
+    if state is not None:
+        assert pipe.stage_module is not None
+        try:
+            pipe.stage_module.load_state_dict(state.params)
+            if optimizer is not None and state.optimizer:
+                optimizer.load_state_dict(state.optimizer)
+            if setup_.train_data is not None:
+                if state.sampler[0] >= 0:
+                    setup_.train_data.seek(*state.sampler)
+                else:  # ResPipe's checkpoints: its readers are positioned by the step alone
+                    setup_.train_data.seek_batch(state.step)
+        except (RuntimeError, ValueError, KeyError) as e:
+            error = (f"the checkpoint of stage {my_stage} in {run.args.resume} does not fit "
+                     f"this model and optimizer (was it written with another config?): {e}")
+        pipe.eval_count = state.eval_count
+    if run.args.resume:
+        agree(run, error)  # every rank stops with the same line, none waits for another
+        setup_.start_step = comm.bcast(state.step if state is not None else None,
+                                       root=route.ranks[0])
+        if setup_.start_step >= total:  # before any record: the old log stays as it was
+            fail_fast(comm, f"--resume {run.args.resume}: its checkpoints are of step "
+                            f"{setup_.start_step}, and this run ends at step {total} (run.steps / "
+                            f"run.epochs): nothing to resume; give more steps to train further",
+                      run.prog, run.rank)
+        pipe.step_count = setup_.start_step
+        run.log.cut_after(setup_.start_step)  # a continued log: those steps run again
+        run.log.event("resume", step=setup_.start_step, directory=str(run.args.resume))
+    run.log.expect_steps(setup_.start_step + 1, total)
+
+    ckpt = cfg["run"]["checkpoint_dir"]
+    if not ckpt and cfg["run"]["checkpoint_every"] > 0:
+        writer = run.plan.log_rank
+        log_path = run.log.path if run.rank == writer else None
+        log_path = comm.bcast(str(log_path) if log_path else None, root=writer)
+        ckpt = str(Path(log_path).with_suffix("")) + "-ckpt" if log_path else "checkpoints"
+    setup_.checkpoint_dir = Path(ckpt) if ckpt else None
+    run.log.set_attr("balance", balance)
+    return setup_
+
+
+def read_batch(s: Setup) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str | None]:
+    """The first stage's next mini-batch, or this rank's fatal data error (one line)."""
+    from mpipipe.core.data import DataFault
+
+    if s.train_data is None:
+        return None, None
+    try:
+        return s.train_data.next(), None
+    except DataFault as e:
+        return None, str(e)
+
+
+def train_step(s: Setup, step: int,
+               batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
+    """One optimizer step on this rank (``batch``: the first stage's, read already);
+    returns its figures for the run log."""
+    pipe = s.pipe
+    x = y = None
+    if batch is not None:
+        x, y = batch
+    elif s.train_data is not None:
+        x, y = s.train_data.next()
+    pipe.transport.reset_counters()
+    loss = pipe.step(x, y, s.loss_fn, step=step)
+    t0 = time.perf_counter()
+    if s.optimizer is not None:
+        set_rate_for_step(s.optimizer, s.run.cfg["optim"], step, s.total_steps)
+        s.optimizer.step()
+    opt_s = time.perf_counter() - t0
+    figures = {
+        "compute_s": pipe.last_compute_s + opt_s,
+        "wait_s": pipe.last_wait_s,
+        "bytes_sent": pipe.transport.total_sent,
+        "bytes_recv": pipe.transport.total_recv,
+    }
+    if loss is not None:
+        figures["loss"] = loss
+    return figures
+
+
+def evaluate(s: Setup) -> float:
+    """Accuracy on the whole test split, known on every rank (allreduced)."""
+    from mpipipe.core import data
+
+    pipe, path, bs = s.pipe, s.run.cfg["data"]["path"], s.run.cfg["data"]["batch_size"]
+    correct = count = 0
+    if pipe.first:
+        batches = data.test_batches(path, bs)
+        for x, y in batches:
+            result = pipe.evaluate(x, y)
+            if result is not None:
+                correct, count = correct + result[0], count + result[1]
+    elif pipe.stage is not None:
+        for _ in range(s.eval_batches):
+            result = pipe.evaluate(None, None)
+            if result is not None:
+                correct, count = correct + result[0], count + result[1]
+    correct, count = s.run.comm.allreduce(correct), s.run.comm.allreduce(count)
+    return correct / count if count else math.nan
+
+
+def save_checkpoint(s: Setup, step: int, position: tuple[int, int] | None = None) -> None:
+    """Every stage writes its own file; rank 0 logs one event.
+
+    ``position`` is the reader's position after the last batch trained on; by default
+    the reader's position now, which is that one unless a batch was read since (as when
+    a stop is agreed on after the next batch was read: it must be read again on resume).
+    """
+    from mpipipe.core import checkpoint
+
+    pipe = s.pipe
+    if s.checkpoint_dir is None or pipe.stage_module is None:
+        s.run.comm.Barrier()
+        return
+    if position is None:
+        position = s.train_data.position if s.train_data is not None else (-1, -1)
+    checkpoint.save_stage(s.checkpoint_dir, step=step, stage=pipe.stage, balance=pipe.balance,
+                          module=pipe.stage_module, optimizer=s.optimizer, sampler=position,
+                          eval_count=pipe.eval_count)
+    s.run.comm.Barrier()  # the checkpoint exists only once every stage has written
+    s.run.log.event("checkpoint", step=step, directory=str(s.checkpoint_dir))
+
+
+def _abort(s: Setup, step: int, error: Exception) -> None:
+    """Without resilience a late or dead stage ends the job: say why, then stop every rank."""
+    from mpipipe.core.transport import Late
+
+    run = s.run
+    where = f"stage {s.pipe.stage} (rank {run.rank})"
+    print(f"{run.prog}: error: {where} at step {step + 1}: {error}; without "
+          f"[resilience] backups nothing can take over", file=sys.stderr, flush=True)
+    kind = "late" if isinstance(error, Late) else "failure_detected"
+    run.log.event(kind, step=step + 1, rank=run.rank, error=str(error))
+    run.log.close(f"failed: {where}: {error}")
+    run.comm.Abort(3)
+
+
+def stopped(s: Setup, halt: stop.StopRun, position: tuple[int, int] | None) -> int:
+    """Every rank, after agreeing to stop: checkpoint (on a signal), one line, the log's
+    status; returns the exit status. ``position``: the reader's before the batch read
+    for the step that is not run."""
+    run = s.run
+    if halt.kind == "signal" and s.checkpoint_dir is not None:
+        save_checkpoint(s, halt.step, position)
+    if run.rank == 0:
+        stop.announce(run.prog, halt, checkpoint_dir=s.checkpoint_dir if halt.kind == "signal" else None)
+    run.log.close(halt.status)
+    return halt.exit_code
+
+
+def train(run: Run) -> int:
+    """The plain pipeline training loop (no backups); returns the exit status."""
+    from mpipipe.core.transport import Late, PeerFailed
+
+    s = setup(run)
+    cfg, log, progress, comm = run.cfg, run.log, run.progress, run.comm
+    eval_every = cfg["run"]["eval_every"]
+    ckpt_every = cfg["run"]["checkpoint_every"]
+    batch = cfg["data"]["batch_size"]
+    if run.rank == 0:
+        progress.message(f"{cfg['model']['name']} in {s.pipe.k} stages, balance "
+                         f"{s.pipe.balance}, {cfg['pipeline']['schedule']}, "
+                         f"{s.pipe.chunks} micro-batches of ~{batch // s.pipe.chunks}")
+    loss = math.nan
+    accuracy = math.nan
+    accuracy_step = -1
+    t_prev = time.perf_counter()
+    step = s.start_step
+    for step in range(s.start_step, s.total_steps):
+        # A data error or a stop signal on any rank stops every rank here, together.
+        position = s.train_data.position if s.train_data is not None else None
+        mini, error = read_batch(s)
+        halt = stop.agree(comm, error, step)
+        if halt is not None:
+            return stopped(s, halt, position)
+        try:
+            figures = train_step(s, step, mini)
+        except (Late, PeerFailed) as e:
+            _abort(s, step, e)
+        gathered = gather_figures(comm, figures)
+        now = time.perf_counter()
+        dt, t_prev = now - t_prev, now
+        if gathered is not None:
+            losses = [f.pop("loss") for f in gathered.values() if "loss" in f]
+            loss = losses[0] if losses else math.nan
+            sps = batch / dt if dt > 0 else math.nan
+            at = log.elapsed()  # the row's time, shown by progress as the log has it
+            log.step(step + 1, time=at, loss=loss, samples=batch, samples_per_s=sps, ranks=gathered)
+            progress.update(step + 1, loss=loss, samples=batch, time=at)
+        done = step + 1
+        if (eval_every and done % eval_every == 0) or done == s.total_steps:
+            accuracy, accuracy_step = evaluate(s), done
+            log.eval(done, accuracy=accuracy)
+            progress.evaluation(done, accuracy)
+            t_prev = time.perf_counter()
+        if s.checkpoint_dir is not None and (
+                (ckpt_every and done % ckpt_every == 0) or done == s.total_steps):
+            save_checkpoint(s, done)
+            t_prev = time.perf_counter()
+    if accuracy_step != s.total_steps:
+        accuracy = evaluate(s)
+    summary = {
+        "steps": s.total_steps,
+        # mpipipe.core.progress.throughput of the log's rows (of this session's without a log)
+        "samples_per_s": log.throughput() if log.active else progress.samples_per_s,
+        "final_loss": loss,
+        "test_accuracy": accuracy,
+        "log": str(log.path) if log.active else "",
+    }
+    log.set_attr("summary", summary)
+    if run.rank == 0:
+        progress.summary(**summary)  # printed under --quiet too
+    # A log that lacks rows it should hold ends as "incomplete: ...", and so does the run.
+    return 0 if log.close("completed") == "completed" else 1

@@ -1,0 +1,1 @@
+"""ResPipe: the pipeline made resilient (backups, replicas, deadlines, ULFM), and its cost model."""
