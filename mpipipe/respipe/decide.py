@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from mpipipe.pipeline.engine import stage_consumers
 from mpipipe.respipe.messages import Decision, StateReport
+from mpipipe.respipe.settings import Settings
 
 __all__ = ["View", "decide", "can_go_on", "round_patience", "eval_point", "stage_holders"]
 
@@ -24,8 +25,9 @@ __all__ = ["View", "decide", "can_go_on", "round_patience", "eval_point", "stage
 class View:
     """What the deciding rank knows besides the reports: its generation and the run's facts.
 
-    ``homes`` maps each world rank to the index of its launch role (the stage it
-    served or backed up at launch): an admitted rank prefers its own stage.
+    ``homes`` maps world ranks (at least every rank asking to rejoin) to the index
+    of their launch role (the stage each served or backed up at launch): an
+    admitted rank prefers its own stage.
     """
 
     gen: int  # the generation that ends with this round
@@ -73,15 +75,13 @@ def stage_holders(stage: int, route: Sequence[int], backups: Mapping[int, Sequen
     return list(backups.get(stage, []))
 
 
-def decide(reports: Mapping[int, StateReport], view: View, settings: object) -> Decision:
+def decide(reports: Mapping[int, StateReport], view: View, settings: Settings) -> Decision:
     """The coordinator's verdict: members, new route, replay step P and replica choices.
 
     ``reports``: world rank -> its report, for every rank heard (the coordinator's
-    own included). ``settings``: the run's :class:`~mpipipe.respipe.trainer.Settings`
-    (``mode`` and the configured ``backups`` are read).
+    own included). Of ``settings``, ``mode`` and the configured ``backups`` are read.
     """
-    mode: str = settings.mode  # type: ignore[attr-defined]
-    configured: Mapping[int, int] = settings.backups  # type: ignore[attr-defined]
+    mode, configured = settings.mode, settings.backups
     heard = reports
     members = sorted(heard)
     lost: list[int] = [k for k in range(len(view.route)) if view.route[k] not in heard]
