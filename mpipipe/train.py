@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
             # ResPipe: backup ranks exist, faults are injected, or ULFM can report a dead
             # stage: the resilient loop drives the job (without backups it stops cleanly,
             # naming the lost stage).
-            from mpipipe.respipe.trainer import train as respipe_train
+            from mpipipe.respipe.command import train as respipe_train
 
             return int(respipe_train(run))
         from mpipipe.pipeline.train import train

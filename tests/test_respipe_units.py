@@ -1,4 +1,8 @@
-"""Unit tests of ResPipe's pure parts: fault specs, the cost model, ULFM detection."""
+"""Unit tests of ResPipe's pure parts: fault specs, the cost model, ULFM detection.
+
+The round's decision (patience, going on) and its messages have their own files:
+tests/test_respipe_decide.py and tests/test_respipe_messages.py.
+"""
 
 from __future__ import annotations
 
@@ -265,22 +269,9 @@ def test_replica_round_trip_restores_parameters_and_optimizer_state(optim):
         assert torch.equal(a, b)
 
 
-def test_a_round_waits_briefly_only_for_ranks_already_found_late() -> None:
-    from mpipipe.respipe.trainer import round_patience
-
-    # Stage 1 (rank 1) missed its deadline: one more median step, then it is replaced.
-    assert round_patience([1], late=[1], members=6, grace=0.5, quick=0.01) == 0.01
-    # A rank nobody found late may only be waiting for a core: the full grace.
-    assert round_patience([1, 4], late=[1], members=6, grace=0.5, quick=0.01) == 0.5
-    assert round_patience([4], late=[], members=6, grace=0.5, quick=0.01) == 0.5
-    # Leaving out half the members or more waits four times longer, late or not.
-    assert round_patience([1, 2, 3], late=[1, 2, 3], members=6, grace=0.5, quick=0.01) == 2.0
-    assert round_patience([], late=[], members=6, grace=0.5, quick=0.01) == 0.5
-
-
 def test_batch_cache_jumps_to_a_far_step_and_matches_reading_through(digits) -> None:
     from mpipipe.core.data import TrainBatches
-    from mpipipe.respipe.trainer import BatchCache
+    from mpipipe.respipe.command import BatchCache
 
     through = TrainBatches(digits, 32, seed=3)
     ahead = TrainBatches(digits, 32, seed=3)
@@ -292,20 +283,6 @@ def test_batch_cache_jumps_to_a_far_step_and_matches_reading_through(digits) -> 
         assert (xa == xb).all() and (ya == yb).all(), step
     with pytest.raises(RuntimeError, match="older than"):
         jump(far - 3)
-
-
-def test_a_decision_survives_its_trip_as_one_vector() -> None:
-    from mpipipe.respipe.trainer import encode_decision, read_decision
-
-    d = {"gen": 3, "P": 41, "lost_stage": -1, "merge": -1, "shrink": 0, "reason": "rejoin",
-         "suspect": 1, "t_detect": 1.7e9 + 0.25, "waited_s": 1.7e9, "members": [0, 1, 2, 4, 5],
-         "route": [0, 4, 2], "choices": {1: 40}, "silent": [], "admit": 1, "admit_stage": 1,
-         "backups": {0: [5], 1: [1], 2: []}, "log": 2, "go_on": 1}
-    back = read_decision(encode_decision(d))
-    assert back.pop("vector") is not None
-    assert back == d
-    late = dict(d, reason="late", admit=-1, admit_stage=-1, silent=[3], choices={})
-    assert read_decision(encode_decision(late))["silent"] == [3]
 
 
 def test_kills_and_stalls_can_fall_inside_a_step() -> None:
@@ -377,59 +354,6 @@ def test_what_a_rank_holds_decides_what_it_is_sent_again() -> None:
     assert _has(h, LABEL, 7, 0) and not _has(Have(7, 0, 0, False), LABEL, 7, 0)
     assert _has(h, ACT, 6, 3) and not _has(h, ACT, 8, 0)  # all of before, none of after
     assert not _has(h, EVAL, 3, 0) and not _has(None, ACT, 0, 0)
-
-
-def _heard(done: int, kind: int = 0, index: int = 0, records_from: int | None = None,
-           after_step: bool = False, resumable: bool = True) -> list[float]:
-    """A round announcement: [gen, rank, kind, index, done, ..., after_step, records_from, resumable]."""
-    v = [0.0] * 15
-    v[2], v[3], v[4] = kind, index, done
-    v[12], v[13], v[14] = float(after_step), done - 1 if records_from is None else records_from, \
-        float(resumable)
-    return v
-
-
-def _respipe_for_rounds(mode: str = "hot"):
-    from types import SimpleNamespace
-
-    from mpipipe.respipe.trainer import ResPipe, Settings
-
-    r = ResPipe.__new__(ResPipe)
-    r.settings = Settings(backups={1: 1}, mode=mode)
-    r.pipe = SimpleNamespace(labels="travel")
-    r.evaluate_fn, r.total, r.eval_every = (lambda pipe: None), 20, 10
-    return r
-
-
-def test_a_round_finishes_the_step_in_flight_only_when_every_rank_can() -> None:
-    # Stages 0, 2 on ranks 0, 2; stage 1 (rank 1) died; rank 3, its mirror, serves it.
-    route, backups, promoted = [0, 3, 2], {0: [], 1: [], 2: []}, {1: 3}
-
-    def heard(changes=None):
-        h = {0: _heard(7), 2: _heard(7), 3: _heard(7, kind=1, index=1)}
-        h.update(changes or {})
-        return h
-
-    r = _respipe_for_rounds()
-    assert r._can_go_on(heard(), route, backups, promoted)
-    # stage 0 finished step 7 and keeps its messages: it can send the mirror what it lacks
-    assert r._can_go_on(heard({0: _heard(8)}), route, backups, promoted)
-    # ... but not when it kept none of step 7 (its consumer is still in it)
-    assert not r._can_go_on(heard({0: _heard(8, records_from=8)}), route, backups, promoted)
-    # a rank still at a step's after-work (replica, figures, evaluation, checkpoint), or
-    # an evaluation that some ranks have passed and others not
-    assert not r._can_go_on(heard({2: _heard(7, after_step=True)}), route, backups,
-                            promoted)
-    assert not r._can_go_on(heard({0: _heard(10), 2: _heard(10), 3: _heard(9, 1, 1)}),
-                            route, backups, promoted)
-    # the promoted backup must be a mirror of the stage it takes over
-    assert not r._can_go_on(heard({3: _heard(7, kind=1, index=2)}), route, backups, promoted)
-    assert not r._can_go_on(heard({3: _heard(7, 1, 1, resumable=False)}), route, backups,
-                            promoted)
-    assert not _respipe_for_rounds("cold")._can_go_on(heard(), route, backups, promoted)
-    # ranks two steps apart (the mirror behind; others could hold it, the log could not)
-    far = {0: _heard(8, records_from=6), 2: _heard(8, records_from=6), 3: _heard(6, 1, 1)}
-    assert not r._can_go_on(far, route, backups, promoted)
 
 
 def test_a_backup_fires_only_the_faults_aimed_at_its_rank() -> None:

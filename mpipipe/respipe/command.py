@@ -1,0 +1,203 @@
+"""Glue for ``python -m mpipipe train`` with ResPipe: the data and evaluation callables
+the trainer takes, and :func:`train`, which runs it on every rank and turns its end
+(completed, a stage lost, a clean stop, replaced) into an exit status and a closed log.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpipipe.core import ft
+from mpipipe.core.runlog import LogError
+from mpipipe.core.stop import StopRun
+from mpipipe.pipeline.engine import Pipeline
+from mpipipe.respipe.trainer import Demoted, ResPipe, Settings, StageLost
+
+
+class BatchCache:
+    """``batch_of(step)`` over a sequential reader: keeps the last few batches for replays.
+
+    Why copies: the reader reuses its output buffers, and a replay after a takeover
+    re-reads the mini-batch of a step the reader has already moved past.
+    """
+
+    def __init__(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                 keep: int = 3, first_step: int = 0,
+                 seek: Callable[[int], None] | None = None) -> None:
+        self.next_batch = next_batch
+        self.keep = keep
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.next_step = first_step
+        self.seek = seek
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step in self.cache:
+            return self.cache[step]
+        if step < self.next_step:
+            raise RuntimeError(f"step {step} is older than the {self.keep} batches kept")
+        if self.seek is not None and step - self.next_step >= self.keep:
+            # Far behind (a backup that just took over): jump instead of reading every
+            # batch in between, and read the last `keep` so that replays still find them.
+            self.cache.clear()
+            self.next_step = step - self.keep + 1
+            self.seek(self.next_step)
+        while self.next_step <= step:
+            x, y = self.next_batch()
+            self.cache[self.next_step] = (x.clone(), y.clone())
+            self.next_step += 1
+        for old in [s for s in self.cache if s < step - self.keep + 1]:
+            del self.cache[old]
+        return self.cache[step]
+
+
+class _NoParams:
+    """The optimizer of a stage without parameters (only ReLU or pooling layers)."""
+
+    state: dict = {}
+
+    def step(self) -> None:
+        return None
+
+
+def _eval_fn(cfg: Mapping[str, Any], eval_batches: int
+             ) -> Callable[[Pipeline], tuple[int, int] | None]:
+    """A forward-only pass over the test split; (correct, count) on the last stage."""
+    from mpipipe.core import data
+
+    path, bs = cfg["data"]["path"], cfg["data"]["batch_size"]
+
+    def evaluate(pipe: Pipeline) -> tuple[int, int] | None:
+        correct = count = 0
+        result = None
+        if pipe.first:
+            batches: Iterable[tuple[Any, Any]] = data.test_batches(path, bs)
+        else:
+            batches = ((None, None) for _ in range(eval_batches))
+        for x, y in batches:
+            r = pipe.evaluate(x, y if (pipe.first or pipe.last) else None)
+            if r is not None:
+                correct, count = correct + r[0], count + r[1]
+                result = (correct, count)
+        return result
+
+    return evaluate
+
+
+def _close_log(run: Any, status: str) -> bool:
+    """Close the log if this rank writes it; False (and one error line) if it could not,
+    or if it holds less than it should (the status written is then ``incomplete: ...``)."""
+    try:
+        return run.log.close(status) == status
+    except LogError as e:
+        print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
+        return False
+
+
+def train(run: Any) -> int:
+    """`python -m mpipipe train` with ResPipe: the resilient loop on every rank; exit status.
+
+    Builds the same model, pipeline and data as the plain loop (mpipipe.pipeline.train.setup),
+    then hands the steps to :class:`ResPipe`. A stage lost with no backup stops every
+    survivor with one error line naming the stage (exit 2) and a closed, readable log.
+    """
+    from mpipipe.core import checkpoint, data, stop
+    from mpipipe.pipeline import train as plain
+
+    s = plain.setup(run)
+    cfg, log, progress = run.cfg, run.log, run.progress
+    try:
+        Settings.from_config(cfg, s.pipe.k, s.pipe.chunks)
+    except ValueError as e:
+        run.fail(e)
+    if run.rank == 0:
+        print(f"{run.prog}: {ft.startup_note()}", flush=True)  # even under --quiet
+    reader: list[Any] = []
+
+    def open_reader() -> Any:
+        # Opened on first use: only the ranks that read data ever open it.
+        if not reader:
+            reader.append(data.TrainBatches(cfg["data"]["path"], cfg["data"]["batch_size"],
+                                            seed=cfg["run"]["seed"],
+                                            shuffle=cfg["data"]["shuffle"],
+                                            drop_last=cfg["data"]["drop_last"],
+                                            num_classes=cfg["model"]["num_classes"]))
+        return reader[0]
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return open_reader().next()
+
+    def seek(step: int) -> None:
+        open_reader().seek_batch(step)
+
+    def make_opt(params: Iterable[nn.Parameter]) -> Any:
+        return plain.make_optimizer(cfg, list(params)) or _NoParams()
+
+    resume = None
+    if run.args.resume:
+        directory = run.args.resume
+        resume = (s.start_step, lambda k: checkpoint.load_stage(directory, k))
+    error = None
+    try:
+        rp = ResPipe(cfg=cfg, plan=run.plan, pipe=s.pipe, make_optimizer=make_opt,
+                     loss_fn=s.loss_fn, batch_of=BatchCache(next_batch, seek=seek),
+                     evaluate=_eval_fn(cfg, s.eval_batches), log=log,
+                     progress=progress, comm=run.comm,
+                     in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir, resume=resume)
+    except checkpoint.CheckpointError as e:  # a backup's (a stage's failed in setup)
+        error = str(e)
+    plain.agree(run, error)
+    try:
+        result = rp.train(s.total_steps, cfg["run"]["eval_every"])
+    except StageLost as e:
+        _close_log(run, f"failed: {e}")
+        if rp.members and rp.wrank == rp.members[0]:
+            print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
+            rp.close_lobby()  # a replaced rank waiting to rejoin leaves too
+        try:
+            rp.data.Barrier()  # the log is closed before any survivor exits
+        except Exception:  # noqa: BLE001 - a further failure: exit anyway
+            pass
+        # Leave without MPI_Finalize: under ULFM it runs an agreement over the world,
+        # which we saw hang now and then with a dead rank in it. The log and the
+        # checkpoints are closed files by now; mpirun reports the exit status.
+        stop.flush_and_exit(2)
+    except StopRun as e:  # a data error or a stop signal: every rank leaves, none takes over
+        if rp.is_logger:
+            stop.announce(run.prog, e, checkpoint_dir=s.checkpoint_dir
+                          if e.kind == "signal" else None)
+            _close_log(run, e.status)
+        stop.all_reach(rp.data, 30.0)  # the writer's line and log before anyone's exit
+        stop.flush_and_exit(e.exit_code)
+    except Demoted as e:
+        print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
+              f"the job without sending anything", file=sys.stderr, flush=True)
+        # (a replaced log writer let go of the log: a survivor writes it now)
+        # Leave without MPI_Finalize, whose world-wide agreement would wait for ranks
+        # that have moved on (or, after a lost stage, exited with an error).
+        stop.flush_and_exit(0)
+    code = 0
+    if log.active:
+        summary = {
+            "steps": result["steps"],
+            # the file's rows: a writer that took over has not seen the first ones itself
+            # (its own rows only if the file is not open yet: the old writer holds it)
+            "samples_per_s": log.throughput() if len(log.written("time")) else progress.samples_per_s,
+            "final_loss": result["loss"],
+            "test_accuracy": result["accuracy"],
+            "takeovers": result["takeovers"],
+            "log": str(log.path),
+        }
+        log.set_attr("summary", summary)
+        progress.summary(**summary)  # printed under --quiet too
+        code = 0 if _close_log(run, "completed") else 1
+    if result["takeovers"] or result["generation"]:
+        # A replaced rank leaves without MPI_Finalize (see Demoted above), and a killed
+        # one never reaches it; the world-wide agreement inside Finalize was seen to wait
+        # for such a rank now and then. Everything is written and closed: leave as well.
+        stop.flush_and_exit(code)
+    return code

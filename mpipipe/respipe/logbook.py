@@ -1,0 +1,293 @@
+"""The logbook: per-step figures become the log's rows on the writer, fault notes and
+events, evaluations, and the hand-over of the log when its writer leaves.
+
+The :class:`Logbook` mixin of :class:`mpipipe.respipe.trainer.ResPipe`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpipipe.core import ft
+from mpipipe.core.faults import Fault
+from mpipipe.core.runlog import LogError
+from mpipipe.respipe.control import _EVAL, _FAULT, _FIGS, _RELEASED
+from mpipipe.respipe.costmodel import predict, stage_shapes
+from mpipipe.respipe.messages import Decision
+
+
+@dataclass
+class _Row:
+    """One step's row of the log, completed on rank 0 from every stage's figures."""
+
+    step: int
+    time: float
+    loss: float
+    samples: int
+    ranks: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+class Logbook:
+    """Figures, rows, events and the log writer's hand-over."""
+
+    def _fault_fired(self, fault: Fault, step: int, detail: Mapping[str, float]) -> None:
+        now = time.time()
+        if self.is_logger:
+            self._log_event("fault_injected", step, self.wrank, fault=str(fault), at=now)
+            if fault.kind in ("kill", "stall", "node-kill", "partition"):
+                # The log passes to a survivor, which needs the fault's time for its
+                # detected_after_s and recovery_s: every member hears it (logged: 1).
+                for w in self.members:
+                    if w != self.wrank:
+                        self.control.send(_FAULT, self._drank(w), [now, step, self.wrank, 1],
+                                          seq=self.wrank)
+        else:
+            self.control.send(_FAULT, self._drank(self.log_w), [now, step, self.wrank, 0],
+                              seq=self.wrank)
+        if fault.kind in ("kill", "node-kill", "partition"):
+            time.sleep(0.01)  # let the note leave before the process dies (or the link goes)
+
+    def _drain_fault_notes(self, new_writer: bool = False) -> None:
+        """The log writer (or the rank about to become it) reads the fault notes."""
+        if not (self.is_logger or new_writer):
+            return
+        for w in self.members:
+            if w == self.wrank:
+                continue
+            msg = self.control.poll(_FAULT, self._drank(w), seq=w)
+            while msg is not None:
+                t, step = float(msg[0]), int(msg[1])
+                spec = next((str(f) for f in self.settings.faults
+                             if f.targets(stage=self._launch_stage(w), rank=w)
+                             and (f.kind == "delay" or f.step == step)), "?")
+                # A new writer skips older faults of the old one (a stall it survived).
+                if not (new_writer and step < self.done - 1):
+                    self.fault_notes[w] = (t, spec)
+                    if len(msg) < 4 or not msg[3]:  # the old writer logged its own
+                        self._log_event("fault_injected", step, w, fault=spec, at=t)
+                msg = self.control.poll(_FAULT, self._drank(w), seq=w)
+
+    def _rel(self, t_abs: float) -> float | None:
+        """A wall-clock time as seconds since the log opened (the log's time column)."""
+        if self.log is None or not self.log.active:
+            return None
+        return self.log.elapsed() - (time.time() - t_abs)
+
+    def _log_event(self, kind: str, step: int, rank: int, **detail: Any) -> None:
+        self.events.append((kind, dict(detail, step=step, rank=rank)))
+        if self.log is not None:
+            t = detail.pop("at", None)
+            self.log.event(kind, step=step, rank=rank, time=None if t is None else self._rel(t),
+                           **detail)
+            if self.progress is not None and self.log.active:  # once: by the log writer
+                self.progress.event(kind, step=step, rank=rank, **detail)
+
+    def _report(self, s: int, figs: list[float]) -> None:
+        self._keep_figs(figs)
+        if not self.is_logger:
+            self.control.send(_FIGS, self._drank(self.log_w), figs, seq=s)
+            return
+        row = self.pending_rows.get(s) or _Row(s, figs[1], figs[2], self.batch_size)
+        row.ranks[self.wrank] = self._fig_dict(figs)
+        self.pending_rows[s] = row
+        # Rows are written one step late: a step can only be rolled back while it is the
+        # newest, so a written row is never undone and samples are never counted twice.
+        for old in sorted(k for k in self.pending_rows if k < s):
+            self._write_row(old)
+        self._close_open_events(figs[1])
+
+    def _step_figs(self, s: int, loss: float | None) -> list[float]:
+        """Step ``s``'s figures as they travel: step, time, loss, compute_s, wait_s, bytes
+        sent and received, world rank, control bytes sent since the last step's figures."""
+        t = self.pipe.transport
+        return [s, time.time(), math.nan if loss is None else loss, self.pipe.last_compute_s,
+                t.wait_s, t.total_sent, t.total_recv, self.wrank, self.control.take_sent()]
+
+    def _keep_figs(self, figs: list[float]) -> None:
+        # a replayed step's figures replace those of its rolled-back run
+        while self.recent_figs and int(self.recent_figs[-1][0]) >= int(figs[0]):
+            self.recent_figs.pop()
+        self.recent_figs.append(figs)
+
+    @staticmethod
+    def _fig_dict(figs: Sequence[float]) -> dict[str, float]:
+        return {"compute_s": float(figs[3]), "wait_s": float(figs[4]),
+                "bytes_sent": int(figs[5]), "bytes_recv": int(figs[6]),
+                "ctrl_bytes_sent": int(figs[8])}
+
+    def _collect_figs(self, s: int, wait_s: float, alive: Sequence[int] | None = None) -> None:
+        row = self.pending_rows[s]
+        rebuilt = self._rebuilt.get(s)  # a new writer's row of a step before its round
+        if s < self._gen_step and rebuilt is None:
+            return  # collected before the route changed (figures travel per generation)
+        # Figures of a rank that has just died may still be waiting: take them, but do
+        # not wait for them (``alive``: the ranks worth waiting for).
+        want = rebuilt if rebuilt is not None else [w for w in self.route_w if w != self.wrank]
+        end = time.perf_counter() + wait_s
+        while True:
+            for w in want:
+                if w in row.ranks or w not in self.members:
+                    continue
+                msg = self.control.poll(_FIGS, self._drank(w), seq=s)
+                if msg is not None:
+                    row.ranks[w] = self._fig_dict(msg)
+                    if not math.isnan(msg[2]):
+                        row.loss = float(msg[2])
+                    row.time = max(row.time, float(msg[1]))
+            if all(w in row.ranks for w in want
+                   if w in self.members and (alive is None or w in alive)) or \
+                    time.perf_counter() > end:
+                return
+            time.sleep(0.0005)
+
+    def _write_row(self, s: int) -> None:
+        self._collect_figs(s, 0.5)
+        row = self.pending_rows.pop(s)
+        self._rebuilt.pop(s, None)
+        prev, self._last_row_time = self._last_row_time, row.time
+        dt = row.time - prev if prev is not None else (
+            statistics.median(self.step_times) if self.step_times else math.nan)
+        rate = row.samples / dt if dt > 0 else math.nan
+        self.last_loss = row.loss
+        at = self._rel(row.time)
+        if self.log is not None:
+            self.log.step(s + 1, time=at, loss=row.loss, samples=row.samples,
+                          samples_per_s=rate, ranks=row.ranks)
+        if self.progress is not None:
+            self.progress.update(s + 1, loss=row.loss, samples=row.samples, time=at)
+
+    def _close_open_events(self, t_done: float) -> None:
+        for ev in self.open_events:
+            rec = t_done - ev["t0"]
+            self._log_event(ev["kind"] + "_recovered", ev["step"], ev["rank"],
+                            recovery_s=rec, detected_after_s=ev["detected_after_s"],
+                            stage=ev["stage"], generation=ev["generation"])
+        self.open_events = []
+
+    def _evaluate(self) -> None:
+        if self.evaluate_fn is None:
+            return
+        self.pipe.deadline = max(self.settings.deadline_s, self._deadline())
+        # Every stage starts an evaluation with the same sequence number, even after a
+        # replay made some of them evaluate at this step once before.
+        self.pipe.eval_count = (self.done * 64) % 4096
+        result = self.evaluate_fn(self.pipe)
+        if result is not None:
+            correct, count = result
+            acc = correct / max(count, 1)
+            if self.is_logger:
+                self._log_eval(self.done, acc)
+            else:
+                self.control.send(_EVAL, self._drank(self.log_w),
+                                  [self.done, acc, time.time()], seq=self.done)
+        if self.is_logger and result is None:
+            msg = None
+            src = self._drank(self.route_w[-1])
+            end = time.perf_counter() + 5.0
+            while msg is None and time.perf_counter() < end:
+                msg = self.control.poll(_EVAL, src, seq=self.done)
+                if msg is None:
+                    time.sleep(0.0005)
+            if msg is not None:
+                self._log_eval(int(msg[0]), float(msg[1]), float(msg[2]))
+
+    def _log_eval(self, step: int, acc: float, at: float | None = None) -> None:
+        self.last_eval = acc
+        if self.log is not None and self.log.active:
+            self.log.eval(step, time=self._rel(at or time.time()), accuracy=acc)
+            if self.progress is not None:
+                self.progress.evaluation(step, acc)
+
+    def _log_cost_model(self) -> None:
+        try:
+            shapes, in_bytes = stage_shapes(self.pipe.partitions, self.in_shape, self.optim,
+                                            self.momentum)
+        except Exception:  # noqa: BLE001 - shapes unknown: the log just lacks the prediction
+            return
+        s = self.settings
+        label = 8 if self.pipe.labels == "travel" and self.pipe.k > 1 else 0
+        protected = dict.fromkeys(range(self.pipe.k), 1) if s.mode == "neighbour" \
+            else dict(s.backups)
+        c = predict(shapes, batch_size=self.batch_size, backups=protected,
+                    replicate_every=s.replicate_every, mode=s.mode, label_bytes=label,
+                    input_bytes=in_bytes)
+        self._log_event("cost_model", 0, -1, bytes_per_step=c.total, plain=c.plain,
+                        replica=c.replica, shadow=c.shadow, lost_updates=c.lost_updates,
+                        mode=s.mode, replicate_every=s.replicate_every)
+
+    def _figs_again(self, wanted: Callable[[int], bool]) -> list[int]:
+        """This rank's kept figures of the ``wanted`` steps go to the writer again; the
+        writer starts those rows from its own. Returns the steps of the rows started."""
+        mine = [f for f in self.recent_figs if wanted(int(f[0]))]
+        if not self.is_logger:
+            for figs in mine:
+                self.control.send(_FIGS, self._drank(self.log_w), figs, seq=int(figs[0]))
+            return []
+        for figs in mine:
+            row = _Row(int(figs[0]), figs[1], figs[2], self.batch_size)
+            row.ranks[self.wrank] = self._fig_dict(figs)
+            self.pending_rows[row.step] = row
+        return [int(f[0]) for f in mine]
+
+    def _move_log(self, d: Decision, P: int, old_writer_dead: bool) -> None:
+        """Hand the log to the writer the round named, if it changed.
+
+        The rows of the steps before P that the old writer had not written are
+        rebuilt by the new one: every stage of the old route sends it its figures of
+        those steps again (the loss comes from the last stage's). Rows the old writer
+        did write are kept once (RunLog.take_over). The new writer opens the file only
+        once the old one is dead (``old_writer_dead``: the round shrank it away) or has
+        let go.
+        """
+        old, self.log_w = self.log_w, d.log
+        if self.log_w == old:
+            return
+        senders = [w for w in self.route_w if w in self.members and w != self.log_w]
+        if self.log_w != self.wrank:
+            if self.wrank in senders:
+                self._figs_again(lambda s: s < P)
+            return
+        if self.log is not None:
+            def let_go() -> bool:  # asked until it says yes (RunLog keeps the answer)
+                # Replaced alive: it says so once it closed the file. Found late but in
+                # fact dead (a deadline fired before ULFM reported it): ULFM knows later.
+                return self.lobby.poll(_RELEASED, old, seq=d.gen) is not None or \
+                    (self.ulfm and old in ft.failed_ranks(self.lobby.comm))
+
+            try:
+                self.log.take_over(None if old_writer_dead else let_go)
+            except LogError as e:  # the file was replaced or lost: train on, and say so
+                print(f"mpipipe train: error: rank {self.wrank} cannot take the run log over: "
+                      f"{e}; training goes on without a log", file=sys.stderr, flush=True)
+        if self.progress is not None:
+            self.progress.enabled = True
+        self.pending_rows, self._rebuilt = {}, {}
+        for s in self._figs_again(lambda s: s < P):
+            self._rebuilt[s] = senders
+        self._log_event("log_writer_moved", P, self.wrank, previous=old,
+                        why="the previous writer left the job (failed or replaced)")
+
+    def _leave_log(self, generation: int) -> None:
+        """A writer replaced at ``generation`` lets go of the file and tells the job (the
+        new writer waits for that: HDF5's own lock may be off)."""
+        if self.log is None or not self.log.active:
+            return
+        self.log.release()
+        for w in range(self.world.Get_size()):
+            if w != self.wrank:
+                self.lobby.send(_RELEASED, w, [generation], seq=generation)
+        self.lobby.drain(1.0)
+        if self.progress is not None:
+            self.progress.enabled = False
+
+    def _flush_rows_until(self, P: int) -> None:
+        if self.is_logger:
+            for s in sorted(self.pending_rows):
+                if s < P:
+                    self._write_row(s)

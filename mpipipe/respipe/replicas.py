@@ -1,0 +1,216 @@
+"""Replicas: a stage sends its state to its holders every R steps; holders keep the two
+newest; a backup waits for them, and a round promotes, merges (neighbour) or re-syncs.
+
+The :class:`Replicas` mixin of :class:`mpipipe.respipe.trainer.ResPipe`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mpipipe.core import ft
+from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
+from mpipipe.core.transport import REPLICA, PeerFailed
+from mpipipe.pipeline.engine import Pipeline, Route
+from mpipipe.respipe.control import _END
+from mpipipe.respipe.messages import Decision
+
+_BACKUP_POLL_S = 0.02
+
+
+@dataclass
+class _Slot:
+    """One held copy of a stage's state: the flat replica and its step count."""
+
+    flat: torch.Tensor
+    count: int
+
+
+class Replicas:
+    """Sending, holding and loading stage replicas."""
+
+    def _warm_up(self, stage: int) -> None:
+        """Run the stage's layers and its optimizer once on throwaway copies.
+
+        Why: the first optimizer step of a process imports parts of torch that take
+        seconds; a backup that paid this only at takeover would miss its deadline.
+        """
+        import copy
+
+        part = copy.deepcopy(self.pipe.partitions[stage])
+        shape, dtype = self.pipe.boundary_shapes(self.in_shape)[stage]
+        x = torch.zeros((2, *shape), dtype=dtype, requires_grad=dtype.is_floating_point)
+        out = part(x)
+        out.float().sum().backward()
+        opt = self.make_optimizer(part.parameters())
+        opt.step()
+
+    def _replicate(self) -> None:
+        """Send this stage's replica to its holders every R steps (and take the ward's)."""
+        assert self.stage is not None and self.optimizer is not None
+        R = self.settings.replicate_every
+        if self.done % R:
+            return
+        t = self.pipe.transport
+        holders = self._holders_of(self.stage)
+        if holders:
+            flat = pack_state(self._params(self.stage), self.optimizer, self.optim, self.momentum)
+            for h in holders:
+                t.send(flat, self._drank(h), kind=REPLICA, step=self.done)
+        for ward in self.wards:
+            self._take_replica(self.route_w[ward], ward, self.done, t)
+        t.flush(self._deadline())
+
+    def _take_replica(self, source_w: int, stage: int, count: int, t: Any,
+                      deadline: float | None = None) -> None:
+        n = replica_numel(self._params(stage), self.optim, self.momentum)
+        buf = torch.empty(n, dtype=torch.float32)
+        t.recv(buf, self._drank(source_w), kind=REPLICA, step=count,
+               deadline=self._deadline() if deadline is None else deadline)
+        self._hold(_Slot(buf, count), stage)
+
+    def _hold(self, slot: _Slot, stage: int) -> None:
+        """Keep the two newest replicas of ``stage``."""
+        if self.stage is not None:  # a neighbour holding its ward's replica
+            held = self.ward_slots.get(stage, [])
+            self.ward_slots[stage] = [s for s in held if s.count != slot.count][-1:] + [slot]
+        else:
+            self.slots = [s for s in self.slots if s.count != slot.count][-1:] + [slot]
+
+    def _backup_wait(self, total: int) -> bool:
+        """One poll of a backup: take replicas (cold) or mirror a step (hot). True when done."""
+        k = self.shadowing
+        assert k is not None
+        stage_w = self.route_w[k]
+        if self.control.poll(_END, self._drank(stage_w), seq=0) is not None:
+            return True
+        self.stopper.check(boundary=True)
+        self._poll_rejoin()
+        self._check_announcements()
+        # A fault aimed at this backup (rank=R) fires once it knows the stage has begun
+        # the step: at each replica (cold), or as it mirrors the step (hot; micro= fires
+        # after the mirrored forward).
+        while self._faults_at < min(self.done, total - 1):
+            self._faults_at += 1
+            self.faults.at_step(self._faults_at, by_rank=True)
+        if self.settings.mode == "hot":
+            self._mirror_step(k, stage_w)
+            return False
+        R = self.settings.replicate_every
+        nxt = (self.done // R + 1) * R
+        if nxt > total:
+            nxt = total  # no replica comes after the last step
+            time.sleep(_BACKUP_POLL_S)
+            return False
+        t = self.pipe.transport
+        # Probe before receiving: a cancelled receive could lose a replica already matched.
+        if self._probe(stage_w, t.tag(REPLICA, nxt)):
+            self._take_replica(stage_w, k, nxt, t)
+            self.done = nxt
+        else:
+            time.sleep(0.001)
+        return False
+
+    def _probe(self, source_w: int, tag: int) -> bool:
+        """Is a data message from ``source_w`` waiting? A dead source raises PeerFailed."""
+        src = self._drank(source_w)
+        try:
+            return bool(self.pipe.transport.comm.Iprobe(src, tag))
+        except self.MPI.Exception as e:
+            raise PeerFailed(src, ft.error_class(e)) from e
+
+    def _promote(self, k: int, count: int, P: int) -> None:
+        """This backup now serves stage k from its replica of step ``count``."""
+        slot = next((s for s in self.slots if s.count == count), None)
+        params = self._params(k)
+        if self.optimizer is None or self._mirror_of != k:
+            self.optimizer = self.make_optimizer(params)
+        if slot is None:
+            raise RuntimeError(f"backup of stage {k} lacks the replica of step {count}")
+        unpack_state(slot.flat, params, self.optimizer, self.optim, self.momentum, count)
+        self.stage, self.shadowing = k, None
+        self.done = P
+        self.slots = []
+        self.snapshot = self.prev_snapshot = None
+        self._say(f"took over stage {k} at step {P + 1} (replica of step {count})")
+
+    def _merge(self, d: Decision, P: int) -> None:
+        """Neighbour takeover: the pipeline loses stage k, whose layers join its holder's.
+
+        Every survivor rebuilds the pipeline with one stage fewer (the module's layers
+        are shared, so optimizers keep their parameters); the holder loads its replica
+        of stage k into those layers and gets one optimizer over both slices.
+        """
+        k = d.merge
+        old = self.pipe
+        into = k - 1 if k > 0 else 0  # index of the merged stage in the new pipeline
+        balance = list(old.balance)
+        if k > 0:
+            balance[k - 1:k + 1] = [balance[k - 1] + balance[k]]
+        else:
+            balance[0:2] = [balance[0] + balance[1]]
+        route = Route(tuple(self.members.index(w) for w in d.route), d.gen)
+        new = Pipeline(old.module, balance, old.chunks, old.schedule, self.data, route,
+                       in_shape=self.in_shape, labels=old.labels, deadline=old.deadline,
+                       label_dtype=old.label_dtype)
+        new.after_forward = old.after_forward
+        holder = self.route_w[k - 1] if k > 0 else self.route_w[1]
+        if self.wrank == holder:
+            count = d.choices[k]
+            slot = next((s for s in self.ward_slots.get(k, []) if s.count == count), None)
+            if slot is None:
+                raise RuntimeError(f"neighbour of stage {k} lacks its replica of step {count}")
+            own = self._params(self.stage) if self.stage is not None else []
+            ward = self._params(k)
+            merged = self.make_optimizer(new.partitions[into].parameters())
+            old_opt = self.optimizer
+            if old_opt is not None:
+                for p in own:
+                    if p in old_opt.state:
+                        merged.state[p] = old_opt.state[p]
+            unpack_state(slot.flat, ward, merged, self.optim, self.momentum, count)
+            self.optimizer = merged
+            self._say(f"took over stage {k} into its own (replica of step {count})")
+        self.pipe = new
+        self.stage = d.route.index(self.wrank) if self.wrank in d.route else None
+        self.snapshot = self.prev_snapshot = None
+        self.ward_slots = {}
+
+    def _resync(self, P: int) -> None:
+        """After a takeover every stage refreshes its backups, so all replicas are of step P."""
+        t = self.pipe.transport
+        deadline = max(self.settings.deadline_s, 1.0)
+        if self.stage is not None:
+            assert self.optimizer is not None
+            holders = self._holders_of(self.stage)
+            if holders:
+                flat = pack_state(self._params(self.stage), self.optimizer, self.optim,
+                                  self.momentum)
+                for h in holders:
+                    t.send(flat, self._drank(h), kind=REPLICA, step=P, micro=1)
+            for ward in self.wards:
+                self._take_resync(self.route_w[ward], ward, P, t, deadline)
+            t.flush(deadline)
+        elif self.shadowing is not None:
+            self._take_resync(self.route_w[self.shadowing], self.shadowing, P, t, deadline)
+            if self.settings.mode == "hot":
+                params = self._params(self.shadowing)
+                if self.optimizer is None or self._mirror_of != self.shadowing:
+                    self.optimizer = self.make_optimizer(params)
+                    self._mirror_of = self.shadowing
+                unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim,
+                             self.momentum, P)
+            self.done = P
+
+    def _take_resync(self, source_w: int, stage: int, P: int, t: Any, deadline: float) -> None:
+        n = replica_numel(self._params(stage), self.optim, self.momentum)
+        buf = torch.empty(n, dtype=torch.float32)
+        t.recv(buf, self._drank(source_w), kind=REPLICA, step=P, micro=1, deadline=deadline)
+        if self.stage is not None:
+            self.ward_slots[stage] = [_Slot(buf, P)]
+        else:
+            self.slots = [_Slot(buf, P)]
