@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mpipipe import package_version
+from mpipipe.core.version import package_version
 from mpipipe.core.cli import add_train_arguments
 
 

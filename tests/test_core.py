@@ -378,8 +378,11 @@ def test_console_scripts_point_at_the_module_entry_points_and_print_the_version(
     from setuptools.config.pyprojecttoml import read_configuration
 
     import mpipipe
+    from mpipipe.core import version
     from mpipipe.core.launch import ROOT
 
+    # one number: stannis (which may import mpipipe.core only) prints the core's
+    assert version.__version__ == mpipipe.__version__ and version.package_version() == mpipipe.package_version()
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(scripts) == {"mpipipe", "stannis"}
     assert read_configuration(ROOT / "pyproject.toml")["project"]["version"] == mpipipe.__version__
