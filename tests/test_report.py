@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mpipipe import report
+from mpipipe.core import logplot
 from mpipipe.core.runlog import RunLog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def pipeline_log(path: Path, *, steps: int = 30, failover: bool = True, samples_
             log.event("fault_injected", step=12, rank=1, time=t + 0.01, fault="kill")
             log.event("failure_detected", step=12, rank=1, time=t + 0.5, detected_after_s=0.49)
             log.event("takeover", step=12, rank=3, time=t + 1.1, stage=1, recovery_s=0.6)
-        log.event("replica", step=step, rank=3, time=t, bytes=1000)
+        log.event("checkpoint", step=step, rank=3, time=t, directory="ckpt")
     log.set_attr("summary", {"steps": steps})
     log.close()
     return path
@@ -128,10 +129,10 @@ def test_pipeline_log_summary_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
     assert "stage 1" in rows[1] and " 11 " in rows[1]
     assert "backup 1" in rows[3] and "122.9 kB" in rows[3]  # 30 x 4096 bytes
     assert "40.0%" in rows[0]  # wait share
-    # events with their timings; routine replica events are only counted
+    # events with their timings; routine checkpoint events are only counted
     assert "fault_injected" in out and "failure_detected" in out and "takeover" in out
     assert "detected after 0.490 s" in out and "recovery 0.600 s" in out
-    assert "replica x30 (steps 1..30)" in out
+    assert "checkpoint x30 (steps 1..30)" in out
     for name in ("respipe-training.png", "respipe-ranks.png"):
         assert_png(tmp_path / "plots" / name)
     assert not (tmp_path / "plots" / "respipe-stannis.png").exists()
@@ -377,7 +378,7 @@ while time.monotonic() < end:
     log.step(step, loss=1.0 / step, samples=8, samples_per_s=80.0,
              ranks={r: {"compute_s": 0.01, "wait_s": 0.01, "bytes_sent": 1, "bytes_recv": 1} for r in (0, 1)})
     if step % 5 == 0:
-        log.event("replica", step=step, rank=1, bytes=10)
+        log.event("checkpoint", step=step, rank=1, directory="ckpt")
     if step == 3:
         print("ready", flush=True)
     time.sleep(0.005)
@@ -465,7 +466,7 @@ def test_event_labels_never_overlap_and_cost_model_is_not_a_fault(tmp_path: Path
     run = report.load_run(path)
     for x in ("step", "time"):
         fig, ax = plt.subplots()
-        report._mark_events(ax, run, "black", x, label_kinds=True)
+        logplot.mark_events(ax, run, "black", x, label_kinds=True)
         texts = [t.get_text().strip() for t in ax.texts]
         lines = [line.get_xdata()[0] for line in ax.lines]
         plt.close(fig)
