@@ -504,3 +504,45 @@ def test_tradeoff_plot_is_written_and_a_row_without_a_key_is_named(tmp_path: Pat
         report.plot_tradeoff([{"mode": "cold", "R": 1, "link_mbit": 20.0, "lost_updates": 0}], tmp_path / "x.png")
     with pytest.raises(ValueError, match="at least one row"):
         report.plot_tradeoff([], tmp_path / "x.png")
+
+
+def test_the_log_docs_say_what_the_schema_module_declares() -> None:
+    """docs/hdf5-log.md holds the column tables exactly as mpipipe.core.logschema prints them,
+    and its events table lists exactly the EventKind members: one schema, described once."""
+    import re
+
+    from mpipipe.core import logschema
+
+    docs = (ROOT / "docs" / "hdf5-log.md").read_text()
+    assert logschema.markdown() in docs, (
+        "docs/hdf5-log.md: the column tables differ from mpipipe/core/logschema.py; paste the output "
+        "of `python -m mpipipe.core.logschema` over them")
+    for columns in logschema.GROUPS.values():
+        for column in columns:
+            assert f"| `{column.name}` |" in docs
+    table = docs[docs.index("| kind | written by | detail |"):]
+    table = table[:table.index("\n\n")]
+    documented = {kind for row in table.splitlines()[2:]
+                  for kind in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    declared = {k.value for k in logschema.EventKind}
+    assert documented == declared, (f"docs/hdf5-log.md's events table lacks {sorted(declared - documented)} "
+                                    f"and has kinds EventKind does not declare: {sorted(documented - declared)}")
+
+
+def test_a_system_s_plots_come_from_its_own_module(tmp_path: Path) -> None:
+    """The report draws Stannis's plots through the registry (stannis/plots.py registers them);
+    a system with no plot module draws none of its own, and a broken one is an error, not silence."""
+    assert logplot.plots_for("mpipipe") is None and logplot.plots_for("no-such-system") is None
+    own = logplot.plots_for("stannis")
+    assert own is not None and own.plot.__module__ == "stannis.plots" and own.suffix == "stannis"
+    pkg = tmp_path / "brokensys"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "plots.py").write_text("raise RuntimeError('a bug in the plot module')\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="a bug in the plot module"):
+            logplot.plots_for("brokensys")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("brokensys", None)

@@ -21,7 +21,7 @@ member to :class:`EventKind` and a row to the events table of docs/hdf5-log.md.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import h5py
 import numpy as np
 
 __all__ = ["Column", "EventKind", "SchemaError", "STEP_COLUMNS", "EVAL_COLUMNS", "RANK_COLUMNS",
-           "EVENT_COLUMNS", "GROUPS", "STR", "dtypes", "event_kind", "check_columns", "required"]
+           "EVENT_COLUMNS", "GROUPS", "STR", "dtypes", "event_kind", "check_columns", "required", "markdown"]
 
 #: The dtype of a variable-length UTF-8 string column.
 STR = h5py.string_dtype("utf-8")
@@ -51,15 +51,9 @@ class Column:
     dtype: Any  # a numpy scalar type, or STR
     unit: str  # "s", "bytes", "samples", "J", "" (a count or a number without unit), ...
     meaning: str
-    written_by: str = "all"  # "all", or the system(s) that add it: "ResPipe", "Stannis"
-    required: bool = True  # must be in a file whose group has rows (the report checks it)
-
-    @property
-    def missing(self) -> Any:
-        """What a row without this figure holds: "" for strings, -1 for integers, NaN else."""
-        if self.dtype is STR:
-            return ""
-        return -1 if np.issubdtype(self.dtype, np.integer) else np.nan
+    written_by: str = "all"  # "all", or the system that adds it: "ResPipe", "Stannis"
+    required: bool = True  # in every file whose group has rows (the report checks it); False: a
+    # system's own column, or one that logs of older writers may lack
 
 
 STEP_COLUMNS: tuple[Column, ...] = (
@@ -91,12 +85,12 @@ RANK_COLUMNS: tuple[Column, ...] = (
            "Stannis", False),
     Column("joules", np.float64, "J", "energy the rank used in this step (measured or modelled)",
            "Stannis", False),
-    Column("busy_s", np.float64, "s", "time the rank's cores were busy with this step",
-           "Stannis", False),
-    Column("mpi_bytes", np.int64, "bytes", "bytes MPI's own counters saw (-1: no counters)",
+    Column("busy_s", np.float64, "s", "from the end of the last gradient exchange to the start of "
+           "this one: compute_s plus the optimizer, logging and evaluation", "Stannis", False),
+    Column("mpi_bytes", np.int64, "bytes", "what MPI's own counters saw (-1: no counters)",
            "Stannis", False),
     Column("unaudited_bytes", np.int64, "bytes",
-           "bytes MPI counted beyond what the audited door forwarded", "Stannis", False),
+           "what MPI counted beyond the audited door's prediction", "Stannis", False),
 )
 
 EVENT_COLUMNS: tuple[Column, ...] = (
@@ -201,20 +195,26 @@ def check_columns(group: str, names: Iterable[str], where: str = "") -> None:
             f"and docs/hdf5-log.md)")
 
 
-def column(group: str, name: str) -> Column:
-    """The declared column ``name`` of ``group``.
+def _type_name(dtype: Any) -> str:
+    return "str" if dtype is STR else np.dtype(dtype).name
 
-    Raises:
-        SchemaError: ``group`` has no such column.
+
+def markdown() -> str:
+    """The column tables of docs/hdf5-log.md, made from the tables above.
+
+    Why generated: the file must say what the writer writes; tests/test_report.py checks
+    that docs/hdf5-log.md holds this text exactly. After changing a column, paste the
+    output of ``python -m mpipipe.core.logschema`` over the tables there.
     """
-    for c in GROUPS[group]:
-        if c.name == name:
-            return c
-    check_columns(group, [name])
-    raise AssertionError("unreachable")  # check_columns raised
+    out = []
+    for group, columns in GROUPS.items():
+        where = "/ranks/<r>" if group == "ranks" else f"/{group}"
+        out += [f"`{where}/`:", "", "| column | type | unit | meaning | written by |", "|---|---|---|---|---|"]
+        out += [f"| `{c.name}` | {_type_name(c.dtype)} | {c.unit or '-'} | {c.meaning} | "
+                f"{c.written_by} |" for c in columns]
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
 
 
-def rank_dtypes(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The columns of a rank's rows: the base ones, then each declared extra that a row has."""
-    present = {key for row in rows for key in row}
-    return {c.name: c.dtype for c in RANK_COLUMNS if c.required or c.name in present}
+if __name__ == "__main__":
+    print(markdown(), end="")
