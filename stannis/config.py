@@ -120,7 +120,8 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
     if n < 0:
         raise PlanError(f"stannis.csds = {n}: need 0 or more CSDs")
     if cfg["plan"]:
-        plan = LaunchPlan.from_table(cfg["plan"], world_size)
+        plan = LaunchPlan.from_table(cfg["plan"], world_size, (HOST.name, CSD.name),
+                                     "a Stannis job has only a host and CSDs")
     else:
         if world_size != 1 + n:
             raise PlanError(

@@ -108,7 +108,10 @@ def test_automatic_pipeline_plan_places_backups_after_stages():
     ({"plan": {"stage 0": 0, "stage 1": 1}}, 3, "ranks [2] have no role"),
     ({"plan": {"stage 0": 0, "stage 1": 1, "stage 2": 5}}, 3, "no such rank"),
     ({"plan": {"stage 0": 0, "stage 1": 1, "chef 2": 2}}, 3, "unknown role 'chef 2'"),
-    ({"plan": {"stage 0": 0, "stage 1": 1, "host": 2}}, 3, "only stages and backups"),
+    # a kind of another system is unknown here, whether or not that system is imported
+    ({"plan": {"stage 0": 0, "stage 1": 1, "host": 2}}, 3,
+     "unknown role 'host': a pipeline job has only stages and backups (and spares after them) "
+     "(write 'stage K', 'backup K' or 'spare K')"),
 ])
 def test_bad_launch_plans(sections, world, message):
     with pytest.raises(PlanError) as err:
@@ -448,3 +451,34 @@ def test_a_rank_column_absent_from_later_rows_stays_aligned(tmp_path):
         log.step(2, loss=1.0, samples=4, samples_per_s=1.0, ranks={0: {"compute_s": 0.1}})
     cols = open_log(path).ranks[0]
     assert cols["step"].tolist() == [1, 2] and cols["batch_size"].tolist() == [4, -1]
+
+
+def test_role_kinds_are_declared_by_each_system_not_known_to_the_core(monkeypatch):
+    """The core parses any declared kind; the pipeline declares stage/backup/spare, Stannis host/csd."""
+    import ast
+    from pathlib import Path
+
+    from mpipipe.core import roles
+
+    monkeypatch.setattr(roles, "_KINDS", dict(roles._KINDS))
+    import stannis.config  # noqa: F401 - declares host and csd
+
+    kinds = roles.role_kinds()
+    assert {k: v.system for k, v in kinds.items()}.items() >= {
+        "stage": "the pipeline", "backup": "ResPipe", "spare": "the pipeline", "host": "Stannis",
+        "csd": "Stannis"}.items()
+    roles.register_role_kind(roles.RoleKind("reader", "a test", indexed=False, writes_log=True))
+    roles.register_role_kind(roles.RoleKind("reader", "a test", indexed=False, writes_log=True))  # same: fine
+    with pytest.raises(ValueError, match="role kind 'reader' is declared twice, differently: by a test"):
+        roles.register_role_kind(roles.RoleKind("reader", "another test"))
+    plan = LaunchPlan((Role("stage", 0), Role.parse("reader"), Role("spare", 0)))
+    assert str(plan.roles[1]) == "reader" and plan.without_spares().world_size == 2 and plan.log_rank == 0
+    with pytest.raises(PlanError, match=r"^unknown role 'chef 2': expected 'stage K', .* or 'reader'$"):
+        Role.parse("chef 2")
+    with pytest.raises(PlanError, match="unknown role kind 'chef'.*register_role_kind"):
+        Role("chef", 2)
+    # the generic part of roles.py (above the pipeline's section) names no kind
+    source = Path(roles.__file__).read_text()
+    generic = source[:source.index("# " + "-" * 64 + " the pipeline's plan")]
+    literals = {n.value for n in ast.walk(ast.parse(generic)) if isinstance(n, ast.Constant)}
+    assert not literals & set(kinds), literals & set(kinds)

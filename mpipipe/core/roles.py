@@ -73,8 +73,8 @@ def role_kinds() -> dict[str, RoleKind]:
     return dict(_KINDS)
 
 
-def _examples() -> str:
-    names = [k.example or (f"{k.name} K" if k.indexed else k.name) for k in _KINDS.values()]
+def _examples(kinds: Iterable[str]) -> str:
+    names = [k.example or (f"{k.name} K" if k.indexed else k.name) for k in map(_KINDS.__getitem__, kinds)]
     return " or ".join(", ".join(f"'{n}'" for n in names).rsplit(", ", 1)) if names else "(none declared)"
 
 
@@ -103,15 +103,22 @@ class Role:
         return f"{self.kind} {self.index}" if self.spec.indexed else self.kind
 
     @classmethod
-    def parse(cls, text: str) -> Role:
+    def parse(cls, text: str, kinds: Iterable[str] | None = None, job: str = "") -> Role:
         """Read a role as a user writes it: ``"stage 1"``, ``"host"``, ``"csd 3"``, ...
 
+        ``kinds``: the kinds the caller's system accepts (default: every declared one), and
+        ``job`` what the error says of them ("a Stannis job has only a host and CSDs"). Why a
+        system names its own: which other systems happen to be imported in the process must
+        not change what a plan means, or the error a wrong one gets.
+
         Raises:
-            PlanError: not a declared kind, or an index missing where the kind needs one.
+            PlanError: not one of ``kinds``, or an index missing where the kind needs one.
         """
+        accepted = list(_KINDS) if kinds is None else [k for k in kinds if k in _KINDS]
         m = _ROLE_RE.match(text)
-        if not m or m.group(1) not in _KINDS:
-            raise PlanError(f"unknown role {text!r}: expected {_examples()}")
+        if not m or m.group(1) not in accepted:
+            raise PlanError(f"unknown role {text!r}: {job} (write {_examples(accepted)})" if job
+                            else f"unknown role {text!r}: expected {_examples(accepted)}")
         kind, index = m.group(1), m.group(2)
         if _KINDS[kind].indexed and index is None:
             raise PlanError(f"role {text!r} needs an index, e.g. '{kind} 1'")
@@ -155,8 +162,10 @@ class LaunchPlan:
         return LaunchPlan(tuple(r for r in self.roles if not r.spec.idle))
 
     @classmethod
-    def from_table(cls, table: Mapping[str, Any], world_size: int) -> LaunchPlan:
-        """Build a plan from an explicit ``role name -> rank`` table (config ``[plan]``).
+    def from_table(cls, table: Mapping[str, Any], world_size: int,
+                   kinds: Iterable[str] | None = None, job: str = "") -> LaunchPlan:
+        """Build a plan from an explicit ``role name -> rank`` table (config ``[plan]``), of
+        roles of ``kinds`` (default: any declared; ``job``: see :meth:`Role.parse`).
 
         Raises:
             PlanError: a rank outside the world, a rank with two roles, a rank
@@ -164,7 +173,7 @@ class LaunchPlan:
         """
         by_rank: dict[int, Role] = {}
         for name, rank in table.items():
-            role = Role.parse(name)
+            role = Role.parse(name, kinds, job)
             if not isinstance(rank, int) or isinstance(rank, bool):
                 raise PlanError(f"[plan] '{name}' must be a rank number, got {rank!r}")
             if not 0 <= rank < world_size:
@@ -188,6 +197,7 @@ class LaunchPlan:
 STAGE = register_role_kind(RoleKind("stage", "the pipeline", writes_log=True))
 BACKUP = register_role_kind(RoleKind("backup", "ResPipe"))
 SPARE = register_role_kind(RoleKind("spare", "the pipeline", idle=True))
+PIPELINE_KINDS = (STAGE.name, BACKUP.name, SPARE.name)
 
 
 def pipeline_plan(cfg: Mapping[str, Mapping[str, Any]], world_size: int) -> LaunchPlan:
@@ -209,7 +219,8 @@ def pipeline_plan(cfg: Mapping[str, Mapping[str, Any]], world_size: int) -> Laun
     backups = _backup_counts(cfg["resilience"].get("backups", {}), stages)
     wanted = stages + sum(backups.values())
     if cfg.get("plan"):
-        plan = LaunchPlan.from_table(cfg["plan"], world_size)
+        plan = LaunchPlan.from_table(cfg["plan"], world_size, PIPELINE_KINDS, "a pipeline job has "
+                                     "only stages and backups (and spares after them)")
     else:
         if world_size != wanted:
             extra = f" + {wanted - stages} backups" if wanted > stages else ""

@@ -1,7 +1,9 @@
 """The HDF5 run log: one file per run, written by one rank, flushed after every record.
 
-Both systems write the same schema (docs/hdf5-log.md), so one report command
-reads every run. Rows are appended to extendable datasets and the file is
+Both systems write the same schema, declared once in :mod:`mpipipe.core.logschema`
+(and described in docs/hdf5-log.md), so one report command reads every run; every
+record is checked against it, and one with an unknown column or event kind is refused
+(:class:`~mpipipe.core.logschema.SchemaError`). Rows are appended to extendable datasets and the file is
 flushed after each call, so a run killed at any moment leaves a file that
 reads up to its last completed step.
 
