@@ -10,6 +10,8 @@ line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -28,11 +30,12 @@ from mpipipe.core.logplot import (
     MAX_MARKED,
     ROUTINE_EVENTS,
     UNMARKED_EVENTS,
+    SystemPlots,
     as_float,
     first_step_time,
     mark_events,
-    plots_for,
     rank_label,
+    registered_plots,
     roles,
     save,
 )
@@ -497,6 +500,25 @@ def _plot_ranks(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
     if all_ranks:
         right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save(fig, path)
+
+
+def plots_for(system: str) -> SystemPlots | None:
+    """The plots a system draws for its own runs: those that the module ``<system>.plots``
+    registers (mpipipe.core.logplot) when imported here, by the name the log gives in its
+    ``system`` attribute. None if the system has no such module.
+
+    Raises:
+        ImportError (or whatever it raises): ``<system>.plots`` exists but fails to import;
+            a broken plot module must not pass for a system without plots.
+    """
+    if registered_plots(system) is None and system.isidentifier():
+        try:
+            found = importlib.util.find_spec(f"{system}.plots")
+        except ModuleNotFoundError:  # no package of that name
+            found = None
+        if found is not None:
+            importlib.import_module(f"{system}.plots")
+    return registered_plots(system)
 
 
 def plot_runs(runs: Sequence[RunData], out: str | Path) -> list[Path]:

@@ -532,8 +532,8 @@ def test_the_log_docs_say_what_the_schema_module_declares() -> None:
 def test_a_system_s_plots_come_from_its_own_module(tmp_path: Path) -> None:
     """The report draws Stannis's plots through the registry (stannis/plots.py registers them);
     a system with no plot module draws none of its own, and a broken one is an error, not silence."""
-    assert logplot.plots_for("mpipipe") is None and logplot.plots_for("no-such-system") is None
-    own = logplot.plots_for("stannis")
+    assert report.plots_for("mpipipe") is None and report.plots_for("no-such-system") is None
+    own = report.plots_for("stannis")
     assert own is not None and own.plot.__module__ == "stannis.plots" and own.suffix == "stannis"
     pkg = tmp_path / "brokensys"
     pkg.mkdir()
@@ -542,7 +542,7 @@ def test_a_system_s_plots_come_from_its_own_module(tmp_path: Path) -> None:
     sys.path.insert(0, str(tmp_path))
     try:
         with pytest.raises(RuntimeError, match="a bug in the plot module"):
-            logplot.plots_for("brokensys")
+            report.plots_for("brokensys")
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("brokensys", None)

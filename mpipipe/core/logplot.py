@@ -7,15 +7,14 @@ may import the core only, so the helpers both need, and the registry through whi
 report finds a system's plots, live here.
 
 A system ``X`` whose logs say ``system = "X"`` provides its plots in a module ``X.plots``
-that calls :func:`register_plots` when imported; the report imports that module by name
-when it meets such a log (:func:`plots_for`). matplotlib is imported inside the
-functions that draw, so that reading logs never needs it.
+that calls :func:`register_plots` when imported; the report (a command, which may import
+any system) imports that module by name when it meets such a log
+(``mpipipe.report.plots_for``) and reads the registry. The core imports no system.
+matplotlib is imported inside the functions that draw, so that reading logs never needs it.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,7 +27,7 @@ import numpy as np
 from mpipipe.core.logschema import EventKind as K
 from mpipipe.core.runlog import RunData
 
-__all__ = ["SystemPlots", "register_plots", "plots_for", "as_float", "first_step_time", "roles",
+__all__ = ["SystemPlots", "register_plots", "registered_plots", "as_float", "first_step_time", "roles",
            "rank_time", "rank_label", "mark_events", "save", "LINESTYLES", "ROUTINE_EVENTS",
            "UNMARKED_EVENTS", "MAX_MARKED", "EVENT_STYLES", "LABEL_GAP"]
 
@@ -71,21 +70,8 @@ def register_plots(plots: SystemPlots) -> SystemPlots:
     return plots
 
 
-def plots_for(system: str) -> SystemPlots | None:
-    """The plots registered for ``system``, importing the module ``<system>.plots`` first if
-    there is one; None if the system draws nothing of its own.
-
-    Raises:
-        ImportError: ``<system>.plots`` exists but fails to import (a broken plot module
-            must not pass for a system without plots).
-    """
-    if system not in _PLOTS and system.isidentifier():
-        try:
-            found = importlib.util.find_spec(f"{system}.plots")
-        except ModuleNotFoundError:  # no package of that name
-            found = None
-        if found is not None:
-            importlib.import_module(f"{system}.plots")
+def registered_plots(system: str) -> SystemPlots | None:
+    """The plots ``system`` registered, or None."""
     return _PLOTS.get(system)
 
 
