@@ -10,6 +10,8 @@ line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -22,6 +24,23 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from mpipipe.core.logplot import (
+    EVENT_STYLES,
+    LINESTYLES,
+    MAX_MARKED,
+    ROUTINE_EVENTS,
+    UNMARKED_EVENTS,
+    SystemPlots,
+    as_float,
+    first_step_time,
+    mark_events,
+    rank_label,
+    registered_plots,
+    roles,
+    save,
+)
+from mpipipe.core.logschema import EventKind
+from mpipipe.core.logschema import required as required_columns
 from mpipipe.core.progress import THROUGHPUT
 from mpipipe.core.progress import throughput as _throughput
 from mpipipe.core.runlog import LogError, RunData, open_for_reading, open_log
@@ -30,20 +49,9 @@ __all__ = ["load_run", "summarize", "compare", "plot_runs", "plot_tradeoff", "ad
 
 PROG = "mpipipe report"
 
-# Columns a log must hold once its group has any rows (docs/hdf5-log.md).
-_REQUIRED = {
-    "steps": ("step", "time", "loss", "samples", "samples_per_s"),
-    "eval": ("step", "time", "accuracy"),
-    "ranks": ("step", "compute_s", "wait_s", "bytes_sent", "bytes_recv"),
-}
-_EVENT_COLUMNS = ("step", "time", "kind", "rank", "detail")
-
-# Events that recur every few steps: counted in the summary, not listed or marked one by one.
-ROUTINE_EVENTS = frozenset({"replica", "checkpoint", "late"})
-# Events listed in the summary but not drawn on plots (they say how, not when something happened).
-_UNMARKED_EVENTS = ROUTINE_EVENTS | {"energy_source", "benchmark", "cost_model", "cpu_binding", "resume"}
-# A kind with more events than this in one run is not drawn either: the lines would hide the curves.
-_MAX_MARKED = 20
+# Columns a log must hold once its group has any rows (mpipipe/core/logschema.py).
+_REQUIRED = {group: required_columns(group) for group in ("steps", "eval", "ranks")}
+_EVENT_COLUMNS = required_columns("events")
 
 # Configuration keys worth a glance, in display order; other sections are shown whole.
 _HIGHLIGHTS = (
@@ -124,16 +132,6 @@ def _one_line(text: str) -> str:
 # ---------------------------------------------------------------- figures
 
 
-def _float(col: np.ndarray) -> np.ndarray:
-    """A column as float64, with the -1 back-fill of integer columns turned into NaN."""
-    a = np.asarray(col)
-    if np.issubdtype(a.dtype, np.integer):
-        out = a.astype(np.float64)
-        out[a < 0] = np.nan
-        return out
-    return a.astype(np.float64)
-
-
 def _nansum(a: np.ndarray) -> float:
     return float(np.nansum(a)) if a.size and not np.all(np.isnan(a)) else math.nan
 
@@ -147,39 +145,23 @@ def throughput(run: RunData) -> float:
     """The run's samples/s, as the summary line and the progress display give it:
     :func:`mpipipe.core.progress.throughput` of the log's ``time`` and ``samples`` columns
     (samples of steps 2..n over the wall seconds from step 1 to step n)."""
-    t = _float(run.steps.get("time", np.array([])))
-    s = _float(run.steps.get("samples", np.array([])))
+    t = as_float(run.steps.get("time", np.array([])))
+    s = as_float(run.steps.get("samples", np.array([])))
     steps = run.steps.get("step", np.arange(1, len(t) + 1))
-    return _throughput(t.tolist(), s.tolist(), steps.tolist(), [e["step"] for e in run.events_of("resume")])
-
-
-def first_step_time(run: RunData) -> float:
-    """The log time of the first step row: where the plots' time axes start (0 if none)."""
-    t = _float(run.steps.get("time", np.array([])))
-    return float(t[0]) if len(t) and not math.isnan(t[0]) else 0.0
+    return _throughput(t.tolist(), s.tolist(), steps.tolist(), [e["step"] for e in run.events_of(EventKind.RESUME)])
 
 
 def final_loss(run: RunData) -> float:
-    loss = _float(run.steps.get("loss", np.array([])))
+    loss = as_float(run.steps.get("loss", np.array([])))
     ok = loss[~np.isnan(loss)]
     return float(ok[-1]) if ok.size else math.nan
 
 
 def final_accuracy(run: RunData) -> tuple[float, int]:
-    acc = _float(run.eval.get("accuracy", np.array([])))
+    acc = as_float(run.eval.get("accuracy", np.array([])))
     if not acc.size:
         return math.nan, 0
     return float(acc[-1]), int(run.eval["step"][-1])
-
-
-def roles(run: RunData) -> dict[int, str]:
-    """Rank -> role name, from the ``plan`` attribute (``0=stage 0, 1=stage 1, ...``)."""
-    out = {}
-    for part in str(run.attrs.get("plan", "")).split(","):
-        rank, _, role = part.partition("=")
-        if rank.strip().isdigit() and role.strip():
-            out[int(rank)] = role.strip()
-    return out
 
 
 def idle_ranks(run: RunData) -> list[int]:
@@ -190,8 +172,8 @@ def idle_ranks(run: RunData) -> list[int]:
 
 def rank_figures(cols: dict[str, np.ndarray]) -> dict[str, float]:
     """Totals of one rank's per-step columns (NaN where the rank did not record a figure)."""
-    compute = _float(cols.get("compute_s", np.array([])))
-    wait = _float(cols.get("wait_s", np.array([])))
+    compute = as_float(cols.get("compute_s", np.array([])))
+    wait = as_float(cols.get("wait_s", np.array([])))
     n = len(cols.get("step", []))
     busy = _nansum(compute) + _nansum(wait) if n else math.nan
     fig = {
@@ -200,17 +182,17 @@ def rank_figures(cols: dict[str, np.ndarray]) -> dict[str, float]:
         "wait_s": _nansum(wait),
         "step_s": busy / n if n else math.nan,
         "wait_frac": _nansum(wait) / busy if n and busy > 0 else math.nan,
-        "bytes_sent": _nansum(_float(cols.get("bytes_sent", np.array([])))),
-        "bytes_recv": _nansum(_float(cols.get("bytes_recv", np.array([])))),
+        "bytes_sent": _nansum(as_float(cols.get("bytes_sent", np.array([])))),
+        "bytes_recv": _nansum(as_float(cols.get("bytes_recv", np.array([])))),
     }
     if "batch_size" in cols:
-        batch = _float(cols["batch_size"])
+        batch = as_float(cols["batch_size"])
         fig["batch_last"] = float(batch[~np.isnan(batch)][-1]) if np.any(~np.isnan(batch)) else math.nan
         fig["samples"] = _nansum(batch)
         compute_total = _nansum(compute)
         fig["samples_per_s"] = fig["samples"] / compute_total if compute_total > 0 else math.nan
     if "joules" in cols:
-        fig["joules"] = _nansum(_float(cols["joules"]))
+        fig["joules"] = _nansum(as_float(cols["joules"]))
         if "samples" in fig and fig["joules"] > 0:
             fig["samples_per_j"] = fig["samples"] / fig["joules"]
     return fig
@@ -316,11 +298,11 @@ def summarize(run: RunData) -> str:
     if n == 0:
         lines.append("   steps: none recorded")
     else:
-        t = _float(run.steps["time"])
-        samples = _nansum(_float(run.steps["samples"]))
+        t = as_float(run.steps["time"])
+        samples = _nansum(as_float(run.steps["samples"]))
         lines.append(f"   steps: {n} (last step {last_step(run)}, {samples:,.0f} samples, "
                      f"{_fmt(float(t[-1]), '.1f')} s since start)")
-        sps = _float(run.steps["samples_per_s"])
+        sps = as_float(run.steps["samples_per_s"])
         median = float(np.nanmedian(sps)) if np.any(~np.isnan(sps)) else math.nan
         lines.append(f"   samples/s: {_fmt(throughput(run), ',.1f')} (samples of steps 2..n / seconds "
                      f"from step 1 to n); median per step {_fmt(median, ',.1f')}")
@@ -392,7 +374,7 @@ def compare(runs: Sequence[RunData]) -> str:
         sps = throughput(run)
         acc, _ = final_accuracy(run)
         n = max(1, last_step(run))
-        sent = float(np.nansum([_nansum(_float(c.get("bytes_sent", np.array([])))) for c in run.ranks.values()]))
+        sent = float(np.nansum([_nansum(as_float(c.get("bytes_sent", np.array([])))) for c in run.ranks.values()]))
         sent = sent / n if run.ranks else math.nan
         acc_text = f"{acc * 100:.2f}%" if not math.isnan(acc) else "-"
         notable = sum(1 for e in run.events if e["kind"] not in ROUTINE_EVENTS)
@@ -408,67 +390,11 @@ def compare(runs: Sequence[RunData]) -> str:
 # ---------------------------------------------------------------- plots
 
 
-_LINESTYLES = ("-", "--", ":", "-.")
-_EVENT_STYLES = {"failure_detected": ":", "takeover": "--", "fault_injected": "-.", "retune": (0, (5, 1, 1, 1)),
-                 "takeover_recovered": (0, (1, 3))}
-
-
 def _run_colors(n: int) -> list[Any]:
     import matplotlib
 
     cmap = matplotlib.colormaps["tab10"]
     return [cmap(i % 10) for i in range(n)]
-
-
-LABEL_GAP = 0.04  # events closer than this share of the axis get one label, so labels never overlap
-# Short names on the plots, so that a label of several kinds fits the axes' height.
-_SHORT = {"fault_injected": "fault", "failure_detected": "detected", "takeover_recovered": "recovered",
-          "log_writer_moved": "log moved"}
-
-
-def _mark_events(ax: Any, run: RunData, color: Any, x: str, *, label_kinds: bool) -> None:
-    """Vertical lines at the notable events of ``run`` (x = 'step' or 'time'; time counts from
-    the first step, as the curves do). Events closer together than LABEL_GAP of the axis share
-    one label, written once."""
-    from matplotlib.transforms import blended_transform_factory
-
-    shift = first_step_time(run) if x == "time" else 0.0
-    counts = Counter(e["kind"] for e in run.events)
-    marks: list[tuple[float, str]] = []
-    for ev in run.events:
-        pos = float(ev[x]) - shift
-        if ev["kind"] in _UNMARKED_EVENTS or counts[ev["kind"]] > _MAX_MARKED or math.isnan(pos) or pos < 0:
-            continue
-        if (pos, ev["kind"]) not in marks:
-            marks.append((pos, ev["kind"]))
-            ax.axvline(pos, color=color, linestyle=_EVENT_STYLES.get(ev["kind"], "--"), linewidth=1, alpha=0.7)
-    if not label_kinds or not marks:
-        return
-    ends = _float(run.steps.get(x, np.array([]))) - shift
-    ends = ends[~np.isnan(ends)]
-    lo = min([0.0, *[p for p, _ in marks]])
-    hi = max([float(ends[-1]) if len(ends) else 0.0, *[p for p, _ in marks]])
-    gap = LABEL_GAP * (hi - lo) if hi > lo else 0.0
-    trans = blended_transform_factory(ax.transData, ax.transAxes)
-    clusters: list[tuple[float, list[str]]] = []
-    for pos, kind in sorted(marks, key=lambda m: m[0]):  # log order within a position
-        if clusters and pos - clusters[-1][0] <= gap:
-            if kind not in clusters[-1][1]:
-                clusters[-1][1].append(kind)
-        else:
-            clusters.append((pos, [kind]))
-    for pos, kinds in clusters:
-        ax.text(pos, 0.98, " " + ", ".join(_SHORT.get(k, k) for k in kinds), transform=trans, rotation=90,
-                va="top", ha="right", fontsize=7, color=color)
-
-
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
 
 
 def _plot_training(runs: Sequence[RunData], labels: list[str], colors: list[Any], path: Path) -> Path:
@@ -484,12 +410,12 @@ def _plot_training(runs: Sequence[RunData], labels: list[str], colors: list[Any]
             for run, label, color in zip(runs, labels, colors, strict=True):
                 table = getattr(run, group)
                 if col in table and len(table[col]):
-                    y = _float(table[col]) * (100 if col == "accuracy" else 1)
-                    xs = _float(table[x]) - (first_step_time(run) if x == "time" else 0.0)
+                    y = as_float(table[col]) * (100 if col == "accuracy" else 1)
+                    xs = as_float(table[x]) - (first_step_time(run) if x == "time" else 0.0)
                     ax.plot(xs, y, color=color, label=label,
                             marker="o" if col == "accuracy" else None, markersize=3, linewidth=1.2)
                     drawn = True
-                _mark_events(ax, run, color, x, label_kinds=(row == 0))
+                mark_events(ax, run, color, x, label_kinds=(row == 0))
             ax.set_xlabel("step" if x == "step" else "time since step 1 (s)")
             if x == "time":
                 ax.set_xlim(left=0)  # time axes start at the first step
@@ -500,7 +426,7 @@ def _plot_training(runs: Sequence[RunData], labels: list[str], colors: list[Any]
                 ax.text(0.5, 0.5, f"no {title} recorded", transform=ax.transAxes, ha="center", va="center")
             elif row == 0 and c == 0:
                 _legend_with_events(ax, runs)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _legend_with_events(ax: Any, runs: Sequence[RunData]) -> None:
@@ -510,23 +436,11 @@ def _legend_with_events(ax: Any, runs: Sequence[RunData]) -> None:
     kinds: set[str] = set()
     for run in runs:
         counts = Counter(e["kind"] for e in run.events)
-        kinds |= {k for k, n in counts.items() if k not in _UNMARKED_EVENTS and n <= _MAX_MARKED}
+        kinds |= {k for k, n in counts.items() if k not in UNMARKED_EVENTS and n <= MAX_MARKED}
     for kind in sorted(kinds):
-        handles.append(Line2D([], [], color="grey", linestyle=_EVENT_STYLES.get(kind, "--")))
+        handles.append(Line2D([], [], color="grey", linestyle=EVENT_STYLES.get(kind, "--")))
         names.append(f"event: {kind}")
     ax.legend(handles, names, fontsize=8)
-
-
-def _rank_time(run: RunData, cols: dict[str, np.ndarray]) -> np.ndarray:
-    """The log time of each of a rank's rows, looked up by step (NaN where the step row is missing)."""
-    when = dict(zip(run.steps.get("step", []).tolist(), _float(run.steps.get("time", np.array([]))).tolist(),
-                    strict=True))
-    return np.array([when.get(int(s), math.nan) for s in cols["step"]], dtype=np.float64)
-
-
-def _rank_label(label: str, rank: int, role: str, several: bool) -> str:
-    name = f"rank {rank}" + (f" ({role})" if role else "")
-    return f"{label}: {name}" if several else name
 
 
 def _plot_ranks(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
@@ -541,10 +455,10 @@ def _plot_ranks(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
         for rank, cols in run.ranks.items():
             if not len(cols.get("step", [])):
                 continue
-            step_s = _float(cols["compute_s"]) + _float(cols["wait_s"])
-            left.plot(_float(cols["step"]), step_s, color=cmap(rank % 10), linestyle=_LINESTYLES[i % 4],
-                      linewidth=1, label=_rank_label(label, rank, role_of.get(rank, ""), several))
-        _mark_events(left, run, "black", "step", label_kinds=not several)
+            step_s = as_float(cols["compute_s"]) + as_float(cols["wait_s"])
+            left.plot(as_float(cols["step"]), step_s, color=cmap(rank % 10), linestyle=LINESTYLES[i % 4],
+                      linewidth=1, label=rank_label(label, rank, role_of.get(rank, ""), several))
+        mark_events(left, run, "black", "step", label_kinds=not several)
     # log scale: the first step (start-up, first allocations) is many times the others
     # and would flatten every later step into one line
     if left.lines:
@@ -585,49 +499,26 @@ def _plot_ranks(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
     right.grid(alpha=0.3, axis="y")
     if all_ranks:
         right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, path)
+    return save(fig, path)
 
 
-def _plot_stannis(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
-    import matplotlib
-    import matplotlib.pyplot as plt
+def plots_for(system: str) -> SystemPlots | None:
+    """The plots a system draws for its own runs: those that the module ``<system>.plots``
+    registers (mpipipe.core.logplot) when imported here, by the name the log gives in its
+    ``system`` attribute. None if the system has no such module.
 
-    cmap = matplotlib.colormaps["tab10"]
-    several = len(runs) > 1
-    fig, axes = plt.subplots(3, 1, figsize=(11, 12), sharex=True)
-    modelled = any("model" in json.dumps(e["detail"]) for r in runs for e in r.events
-                   if e["kind"] == "energy_source")
-    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
-        role_of = roles(run)
-        for rank, cols in run.ranks.items():
-            if "batch_size" not in cols or not len(cols["step"]):
-                continue
-            t = _rank_time(run, cols) - first_step_time(run)
-            batch = _float(cols["batch_size"])
-            compute = _float(cols["compute_s"])
-            style = {"color": cmap(rank % 10), "linestyle": _LINESTYLES[i % 4], "linewidth": 1.2,
-                     "label": _rank_label(label, rank, role_of.get(rank, ""), several)}
-            axes[0].plot(t, batch, drawstyle="steps-pre", **style)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                axes[1].plot(t, np.where(compute > 0, batch / compute, np.nan), **style)
-                if "joules" in cols:
-                    joules = _float(cols["joules"])
-                    axes[2].plot(t, np.where(joules > 0, batch / joules, np.nan), **style)
-        for ax in axes:
-            _mark_events(ax, run, "black", "time", label_kinds=(ax is axes[0] and not several))
-    titles = ["batch size per rank", "samples/s per rank while computing (batch / compute time)",
-              "samples per joule per rank" + (" (modelled power)" if modelled else "")]
-    for ax, title in zip(axes, titles, strict=True):
-        ax.set_ylabel(title.split(" (")[0])
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        else:
-            ax.text(0.5, 0.5, "not recorded", transform=ax.transAxes, ha="center", va="center")
-    axes[-1].set_xlabel("time since step 1 (s)")
-    axes[-1].set_xlim(left=0)
-    return _save(fig, path)
+    Raises:
+        ImportError (or whatever it raises): ``<system>.plots`` exists but fails to import;
+            a broken plot module must not pass for a system without plots.
+    """
+    if registered_plots(system) is None and system.isidentifier():
+        try:
+            found = importlib.util.find_spec(f"{system}.plots")
+        except ModuleNotFoundError:  # no package of that name
+            found = None
+        if found is not None:
+            importlib.import_module(f"{system}.plots")
+    return registered_plots(system)
 
 
 def plot_runs(runs: Sequence[RunData], out: str | Path) -> list[Path]:
@@ -648,11 +539,12 @@ def plot_runs(runs: Sequence[RunData], out: str | Path) -> list[Path]:
     paths = [_plot_training(runs, labels, colors, out / f"{stem}-training.png")]
     if any(run.ranks for run in runs):
         paths.append(_plot_ranks(runs, labels, out / f"{stem}-ranks.png"))
-    stannis = [i for i, r in enumerate(runs) if r.system == "stannis" or
-               any("batch_size" in c for c in r.ranks.values())]
-    if stannis:
-        paths.append(_plot_stannis([runs[i] for i in stannis], [labels[i] for i in stannis],
-                                   out / f"{stem}-stannis.png"))
+    for system in dict.fromkeys(r.system for r in runs):  # each system's own plots, in run order
+        own = plots_for(system)
+        if own is not None:
+            mine = [i for i, r in enumerate(runs) if r.system == system]
+            paths.append(own.plot([runs[i] for i in mine], [labels[i] for i in mine],
+                                  out / f"{stem}-{own.suffix}.png"))
     return paths
 
 
@@ -692,7 +584,7 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], out: str | Path, *, title: str
             pts = sorted((r["R"], 100 * r["overhead"]) for r in rows
                          if r["mode"] == mode and float(r["link_mbit"]) == rate and not math.isnan(r["overhead"]))
             if pts:
-                left.plot(*zip(*pts, strict=True), marker="o", color=color, linestyle=_LINESTYLES[i % 4],
+                left.plot(*zip(*pts, strict=True), marker="o", color=color, linestyle=LINESTYLES[i % 4],
                           label=f"{mode}, {rate:g} Mbit/s")
         bound = sorted({(r["R"], r["lost_updates"]) for r in rows if r["mode"] == mode})
         right.plot(*zip(*bound, strict=True), marker="o", color=color, label=f"{mode}: most a takeover can lose")
@@ -718,7 +610,7 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], out: str | Path, *, title: str
         fig.suptitle(title)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 # ---------------------------------------------------------------- command line

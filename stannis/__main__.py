@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from mpipipe import package_version
 from mpipipe.core.cli import add_train_arguments
+from mpipipe.core.version import package_version
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from mpipipe.core.logschema import check_columns, event_kind
 from mpipipe.core.runlog import RunLog
 
 
@@ -70,6 +71,14 @@ class BackgroundLog:
             self._error = self._error or e
 
     def _put(self, name: str, *args: Any, **kwargs: Any) -> None:
+        # Checked here, where the record is made, not in the thread (whose error would
+        # surface only at drain(), far from the line that made it).
+        if name == "event":
+            args = (event_kind(args[0]).value, *args[1:])
+        elif name == "step":
+            check_columns("steps", (k for k in kwargs if k != "ranks"), f"(step {args[0]})")
+            for rank, figures in (kwargs.get("ranks") or {}).items():
+                check_columns("ranks", figures, f"(rank {rank}, step {args[0]})")
         if not self.log.active:
             return
         if name in ("step", "eval", "event") and kwargs.get("time") is None:

@@ -8,11 +8,15 @@ from typing import Any
 
 from mpipipe.core.faults import FaultError, parse_all
 from mpipipe.core.lr import SCHEDULES
-from mpipipe.core.roles import LaunchPlan, PlanError, Role
+from mpipipe.core.roles import LaunchPlan, PlanError, Role, RoleKind, register_role_kind
 
 from .csd import CsdProfile
 from .energy import SOURCES
 from .hypertune import OBJECTIVES
+
+# Stannis's roles: one host (writes the log, reads the public data) and CSDs 1..N.
+HOST = register_role_kind(RoleKind("host", "Stannis", indexed=False, writes_log=True))
+CSD = register_role_kind(RoleKind("csd", "Stannis"))
 
 # Power figures are assumptions for the power model, not measurements: a
 # two-socket-class host CPU and an ARM-based CSD (NGD Newport class). Replace
@@ -116,7 +120,8 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
     if n < 0:
         raise PlanError(f"stannis.csds = {n}: need 0 or more CSDs")
     if cfg["plan"]:
-        plan = LaunchPlan.from_table(cfg["plan"], world_size)
+        plan = LaunchPlan.from_table(cfg["plan"], world_size, (HOST.name, CSD.name),
+                                     "a Stannis job has only a host and CSDs")
     else:
         if world_size != 1 + n:
             raise PlanError(

@@ -19,6 +19,7 @@ from mpipipe.core import ft, stop
 from mpipipe.core.cli import Run, start_run
 from mpipipe.core.data import DataFault, label_range_ok, test_batches
 from mpipipe.core.faults import FaultPlan, parse_all
+from mpipipe.core.logschema import EventKind
 from mpipipe.core.lr import decay, set_lr
 from mpipipe.core.models import build_model
 
@@ -255,7 +256,7 @@ class Trainer:
 
     def _fault_logger(self, rank: int):
         def log(fault: Any, step: int, detail: dict) -> None:
-            self.log.event("fault_injected", step=step + 1, rank=rank, fault=str(fault),
+            self.log.event(EventKind.FAULT_INJECTED, step=step + 1, rank=rank, fault=str(fault),
                                **detail)
         return log
 
@@ -308,7 +309,7 @@ class Trainer:
             for pos, r in enumerate(self.members):
                 bs, ts = table[pos, 0::2], table[pos, 1::2]
                 self.profiles[r] = self._rank_profile(r, fit_step_model(list(bs), list(ts)))
-            self.log.event("benchmark", step=0, models={
+            self.log.event(EventKind.BENCHMARK, step=0, models={
                 r: {"overhead_s": p.model.overhead_s, "per_sample_s": p.model.per_sample_s}
                 for r, p in self.profiles.items()})
 
@@ -350,7 +351,7 @@ class Trainer:
         self.batches = new
         self.window = {r: deque(maxlen=s["retune_every"]) for r in self.members}
         if old != new:
-            self.log.event("retune", step=self.step, reason=reason, ranks=self.members,
+            self.log.event(EventKind.RETUNE, step=self.step, reason=reason, ranks=self.members,
                                old=old, new=new, predicted_sps=predicted)
             self.run.progress.message(f"step {self.step}: batches {old} -> {new} ({reason})")
 
@@ -461,7 +462,7 @@ class Trainer:
             self._write_pending(None)
         if self.is_host and dead:
             for r in dead:
-                self.log.event("csd_dropped", step=self.step, rank=r, error=str(error),
+                self.log.event(EventKind.CSD_DROPPED, step=self.step, rank=r, error=str(error),
                                    samples_lost=self.records.get(r, 0),
                                    recovery_s=time.perf_counter() - t0)
                 self.run.progress.message(
@@ -472,7 +473,7 @@ class Trainer:
             if replan:
                 self._plan_batches(f"ranks {dead} dropped")
         elif self.is_host:
-            self.log.event("mpi_error_recovered", step=self.step, error=str(error))
+            self.log.event(EventKind.MPI_ERROR_RECOVERED, step=self.step, error=str(error))
         if replan:
             self._share_plan()
 
@@ -519,9 +520,9 @@ class Trainer:
         steps = cfg["run"]["steps"]
         if self.is_host:
             for r in self.members:
-                self.log.event("energy_source", step=0, rank=r, source=self.sources[r])
+                self.log.event(EventKind.ENERGY_SOURCE, step=0, rank=r, source=self.sources[r])
             if any(self.bindings.values()):
-                self.log.event("cpu_binding", step=0, cpus={r: c for r, c in self.bindings.items()},
+                self.log.event(EventKind.CPU_BINDING, step=0, cpus={r: c for r, c in self.bindings.items()},
                                why="emulated CSDs bound to their own cores, as real drives compute "
                                    "on theirs (csd.bind_cpus); CSDs sharing a core take turns to "
                                    "compute")
@@ -560,7 +561,7 @@ class Trainer:
                     shadow.at_step(index)
             for f in self.faults.all:
                 if f.kind == "slow" and f.step == index and f.rank in self.members:
-                    self.log.event("fault_injected", step=index + 1, rank=f.rank,
+                    self.log.event(EventKind.FAULT_INJECTED, step=index + 1, rank=f.rank,
                                        fault=str(f), factor=f.factor)
         t_start = time.perf_counter()
         self.meter.start()
@@ -650,7 +651,7 @@ class Trainer:
                        bytes_recv=_count(recv), mpi_bytes=_count(mpi),
                        unaudited_bytes=_count(unaudited))
             if _count(unaudited) > 0:  # MPI counted traffic the audited door did not see
-                self.log.event("unaudited_traffic", step=pending["step"], rank=r,
+                self.log.event(EventKind.UNAUDITED_TRAFFIC, step=pending["step"], rank=r,
                                bytes=_count(unaudited), mpi_bytes=_count(mpi))
             if math.isfinite(joules):
                 self.totals[r]["joules"] += joules

@@ -108,7 +108,10 @@ def test_automatic_pipeline_plan_places_backups_after_stages():
     ({"plan": {"stage 0": 0, "stage 1": 1}}, 3, "ranks [2] have no role"),
     ({"plan": {"stage 0": 0, "stage 1": 1, "stage 2": 5}}, 3, "no such rank"),
     ({"plan": {"stage 0": 0, "stage 1": 1, "chef 2": 2}}, 3, "unknown role 'chef 2'"),
-    ({"plan": {"stage 0": 0, "stage 1": 1, "host": 2}}, 3, "only stages and backups"),
+    # a kind of another system is unknown here, whether or not that system is imported
+    ({"plan": {"stage 0": 0, "stage 1": 1, "host": 2}}, 3,
+     "unknown role 'host': a pipeline job has only stages and backups (and spares after them) "
+     "(write 'stage K', 'backup K' or 'spare K')"),
 ])
 def test_bad_launch_plans(sections, world, message):
     with pytest.raises(PlanError) as err:
@@ -158,7 +161,7 @@ def test_runlog_round_trip(tmp_path):
 def test_runlog_writes_several_steps_at_once_like_one_by_one(tmp_path):
     rows = [{"step": i, "time": 0.1 * i, "loss": 1.0 / i, "samples": 8, "samples_per_s": 80.0,
              "ranks": {0: {"compute_s": 0.1, "wait_s": 0.0, "bytes_sent": i, "bytes_recv": 0},
-                       **({1: {"compute_s": 0.2, "extra": 5}} if i != 2 else {})}}
+                       **({1: {"compute_s": 0.2, "ctrl_bytes_sent": 5}} if i != 2 else {})}}
             for i in (1, 2, 3)]
     for name, write in [("batch", lambda log: log.steps(rows)),
                         ("single", lambda log: [log.step(r["step"], **{k: v for k, v in r.items()
@@ -250,7 +253,7 @@ def test_a_new_writer_waits_for_a_replaced_one_and_keeps_each_records_time(tmp_p
     holder = _hold(path, 30)
     late = RunLog.null(path, writer.start)
     late.take_over()
-    late.event("x", step=0)
+    late.event("checkpoint", step=0)
     with pytest.raises(LogError, match=r"still held .* 1 waiting records are in .*run\.tail\.h5"):
         late.close("completed", wait_s=0.5)
     holder.kill()
@@ -258,7 +261,7 @@ def test_a_new_writer_waits_for_a_replaced_one_and_keeps_each_records_time(tmp_p
     assert open_log(path).attrs["status"] == "completed"  # untouched
     tail = open_log(tmp_path / "run.tail.h5")
     assert tail.attrs["status"] == "completed" and tail.attrs["continues"] == str(path)
-    assert [e["kind"] for e in tail.events] == ["x"]
+    assert [e["kind"] for e in tail.events] == ["checkpoint"]
 
 
 def test_a_new_writer_opens_only_once_the_old_one_says_it_let_go(tmp_path):
@@ -269,12 +272,12 @@ def test_a_new_writer_opens_only_once_the_old_one_says_it_let_go(tmp_path):
     let_go = [False]
     survivor = RunLog.null(path, writer.start)
     survivor.take_over(lambda: let_go[0])
-    survivor.event("waiting", step=1)
+    survivor.event("resume", step=1)
     assert survivor._file is None  # not opened while the old writer may still write
     let_go[0] = True
     survivor.close("completed")
     run = open_log(path)
-    assert [e["kind"] for e in run.events] == ["waiting"] and run.attrs["status"] == "completed"
+    assert [e["kind"] for e in run.events] == ["resume"] and run.attrs["status"] == "completed"
 
 
 def test_taking_over_cuts_a_row_the_killed_writer_left_half_written(tmp_path):
@@ -378,8 +381,11 @@ def test_console_scripts_point_at_the_module_entry_points_and_print_the_version(
     from setuptools.config.pyprojecttoml import read_configuration
 
     import mpipipe
+    from mpipipe.core import version
     from mpipipe.core.launch import ROOT
 
+    # one number: stannis (which may import mpipipe.core only) prints the core's
+    assert version.__version__ == mpipipe.__version__ and version.package_version() == mpipipe.package_version()
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(scripts) == {"mpipipe", "stannis"}
     assert read_configuration(ROOT / "pyproject.toml")["project"]["version"] == mpipipe.__version__
@@ -412,3 +418,67 @@ def test_version_in_a_real_process_installed_or_not():
                         "except m.PackageNotFoundError:\n    print(mpipipe.package_version())", str(ROOT)],
                        capture_output=True, text=True, timeout=100)
     assert (p.returncode, p.stdout.strip()) == (0, mpipipe.__version__), p.stderr
+
+
+def test_the_writer_refuses_an_unknown_event_kind_or_column_on_every_rank(tmp_path):
+    """A misspelt kind or figure fails where it is made (a null log too), and nothing reaches the file."""
+    from mpipipe.core.logschema import EventKind, SchemaError
+
+    path = tmp_path / "run.h5"
+    with RunLog(path, system="mpipipe", config={}, comm_size=2) as log:
+        for writer in (log, RunLog.null()):
+            with pytest.raises(SchemaError, match=r"^unknown event kind 'take_over': a run log records only "
+                                                  r"cost_model, .*takeover, .*EventKind in mpipipe/core/logschema"):
+                writer.event("take_over", step=1, rank=1)
+            with pytest.raises(SchemaError, match=r"^unknown column 'bytes_snt' for /ranks \(rank 1, step 1\): "
+                                                  r"the schema has step, compute_s, wait_s, bytes_sent"):
+                writer.step(1, loss=1.0, samples=4, samples_per_s=1.0, ranks={1: {"bytes_snt": 3}})
+            with pytest.raises(SchemaError, match=r"^unknown column 'los' for /steps \(step 2\)"):
+                writer.steps([{"step": 2, "los": 1.0}])
+        log.event(EventKind.TAKEOVER, step=1, rank=1)  # the enum and its string are the same kind
+        log.event("takeover", step=2, rank=1)
+    run = open_log(path)
+    assert [e["kind"] for e in run.events] == ["takeover", "takeover"]
+    assert len(run.events_of(EventKind.TAKEOVER)) == 2 and not run.steps
+    assert EventKind.TAKEOVER == "takeover" and f"{EventKind.TAKEOVER}" == "takeover"
+
+
+def test_a_rank_column_absent_from_later_rows_stays_aligned(tmp_path):
+    """An extra figure that a rank stops sending is filled with the missing value, not left short."""
+    path = tmp_path / "run.h5"
+    with RunLog(path, system="stannis", config={}, comm_size=1) as log:
+        log.step(1, loss=1.0, samples=4, samples_per_s=1.0, ranks={0: {"compute_s": 0.1, "batch_size": 4}})
+        log.step(2, loss=1.0, samples=4, samples_per_s=1.0, ranks={0: {"compute_s": 0.1}})
+    cols = open_log(path).ranks[0]
+    assert cols["step"].tolist() == [1, 2] and cols["batch_size"].tolist() == [4, -1]
+
+
+def test_role_kinds_are_declared_by_each_system_not_known_to_the_core(monkeypatch):
+    """The core parses any declared kind; the pipeline declares stage/backup/spare, Stannis host/csd."""
+    import ast
+    from pathlib import Path
+
+    from mpipipe.core import roles
+
+    monkeypatch.setattr(roles, "_KINDS", dict(roles._KINDS))
+    import stannis.config  # noqa: F401 - declares host and csd
+
+    kinds = roles.role_kinds()
+    assert {k: v.system for k, v in kinds.items()}.items() >= {
+        "stage": "the pipeline", "backup": "ResPipe", "spare": "the pipeline", "host": "Stannis",
+        "csd": "Stannis"}.items()
+    roles.register_role_kind(roles.RoleKind("reader", "a test", indexed=False, writes_log=True))
+    roles.register_role_kind(roles.RoleKind("reader", "a test", indexed=False, writes_log=True))  # same: fine
+    with pytest.raises(ValueError, match="role kind 'reader' is declared twice, differently: by a test"):
+        roles.register_role_kind(roles.RoleKind("reader", "another test"))
+    plan = LaunchPlan((Role("stage", 0), Role.parse("reader"), Role("spare", 0)))
+    assert str(plan.roles[1]) == "reader" and plan.without_spares().world_size == 2 and plan.log_rank == 0
+    with pytest.raises(PlanError, match=r"^unknown role 'chef 2': expected 'stage K', .* or 'reader'$"):
+        Role.parse("chef 2")
+    with pytest.raises(PlanError, match="unknown role kind 'chef'.*register_role_kind"):
+        Role("chef", 2)
+    # the generic part of roles.py (above the pipeline's section) names no kind
+    source = Path(roles.__file__).read_text()
+    generic = source[:source.index("# " + "-" * 64 + " the pipeline's plan")]
+    literals = {n.value for n in ast.walk(ast.parse(generic)) if isinstance(n, ast.Constant)}
+    assert not literals & set(kinds), literals & set(kinds)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mpipipe import report
+from mpipipe.core import logplot
 from mpipipe.core.runlog import RunLog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def pipeline_log(path: Path, *, steps: int = 30, failover: bool = True, samples_
             log.event("fault_injected", step=12, rank=1, time=t + 0.01, fault="kill")
             log.event("failure_detected", step=12, rank=1, time=t + 0.5, detected_after_s=0.49)
             log.event("takeover", step=12, rank=3, time=t + 1.1, stage=1, recovery_s=0.6)
-        log.event("replica", step=step, rank=3, time=t, bytes=1000)
+        log.event("checkpoint", step=step, rank=3, time=t, directory="ckpt")
     log.set_attr("summary", {"steps": steps})
     log.close()
     return path
@@ -128,10 +129,10 @@ def test_pipeline_log_summary_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
     assert "stage 1" in rows[1] and " 11 " in rows[1]
     assert "backup 1" in rows[3] and "122.9 kB" in rows[3]  # 30 x 4096 bytes
     assert "40.0%" in rows[0]  # wait share
-    # events with their timings; routine replica events are only counted
+    # events with their timings; routine checkpoint events are only counted
     assert "fault_injected" in out and "failure_detected" in out and "takeover" in out
     assert "detected after 0.490 s" in out and "recovery 0.600 s" in out
-    assert "replica x30 (steps 1..30)" in out
+    assert "checkpoint x30 (steps 1..30)" in out
     for name in ("respipe-training.png", "respipe-ranks.png"):
         assert_png(tmp_path / "plots" / name)
     assert not (tmp_path / "plots" / "respipe-stannis.png").exists()
@@ -377,7 +378,7 @@ while time.monotonic() < end:
     log.step(step, loss=1.0 / step, samples=8, samples_per_s=80.0,
              ranks={r: {"compute_s": 0.01, "wait_s": 0.01, "bytes_sent": 1, "bytes_recv": 1} for r in (0, 1)})
     if step % 5 == 0:
-        log.event("replica", step=step, rank=1, bytes=10)
+        log.event("checkpoint", step=step, rank=1, directory="ckpt")
     if step == 3:
         print("ready", flush=True)
     time.sleep(0.005)
@@ -465,7 +466,7 @@ def test_event_labels_never_overlap_and_cost_model_is_not_a_fault(tmp_path: Path
     run = report.load_run(path)
     for x in ("step", "time"):
         fig, ax = plt.subplots()
-        report._mark_events(ax, run, "black", x, label_kinds=True)
+        logplot.mark_events(ax, run, "black", x, label_kinds=True)
         texts = [t.get_text().strip() for t in ax.texts]
         lines = [line.get_xdata()[0] for line in ax.lines]
         plt.close(fig)
@@ -503,3 +504,45 @@ def test_tradeoff_plot_is_written_and_a_row_without_a_key_is_named(tmp_path: Pat
         report.plot_tradeoff([{"mode": "cold", "R": 1, "link_mbit": 20.0, "lost_updates": 0}], tmp_path / "x.png")
     with pytest.raises(ValueError, match="at least one row"):
         report.plot_tradeoff([], tmp_path / "x.png")
+
+
+def test_the_log_docs_say_what_the_schema_module_declares() -> None:
+    """docs/hdf5-log.md holds the column tables exactly as mpipipe.core.logschema prints them,
+    and its events table lists exactly the EventKind members: one schema, described once."""
+    import re
+
+    from mpipipe.core import logschema
+
+    docs = (ROOT / "docs" / "hdf5-log.md").read_text()
+    assert logschema.markdown() in docs, (
+        "docs/hdf5-log.md: the column tables differ from mpipipe/core/logschema.py; paste the output "
+        "of `python -m mpipipe.core.logschema` over them")
+    for columns in logschema.GROUPS.values():
+        for column in columns:
+            assert f"| `{column.name}` |" in docs
+    table = docs[docs.index("| kind | written by | detail |"):]
+    table = table[:table.index("\n\n")]
+    documented = {kind for row in table.splitlines()[2:]
+                  for kind in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    declared = {k.value for k in logschema.EventKind}
+    assert documented == declared, (f"docs/hdf5-log.md's events table lacks {sorted(declared - documented)} "
+                                    f"and has kinds EventKind does not declare: {sorted(documented - declared)}")
+
+
+def test_a_system_s_plots_come_from_its_own_module(tmp_path: Path) -> None:
+    """The report draws Stannis's plots through the registry (stannis/plots.py registers them);
+    a system with no plot module draws none of its own, and a broken one is an error, not silence."""
+    assert report.plots_for("mpipipe") is None and report.plots_for("no-such-system") is None
+    own = report.plots_for("stannis")
+    assert own is not None and own.plot.__module__ == "stannis.plots" and own.suffix == "stannis"
+    pkg = tmp_path / "brokensys"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "plots.py").write_text("raise RuntimeError('a bug in the plot module')\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="a bug in the plot module"):
+            report.plots_for("brokensys")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("brokensys", None)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 __all__ = [
-    "KINDS",
+    "RoleKind",
+    "register_role_kind",
+    "role_kinds",
     "Role",
     "LaunchPlan",
     "PlanError",
@@ -24,38 +26,101 @@ __all__ = [
     "pipeline_plan",
 ]
 
-KINDS = ("stage", "backup", "host", "csd", "spare")
-_ROLE_RE = re.compile(r"^\s*(stage|backup|host|csd|spare)\s*(\d+)?\s*$")
-
 
 class PlanError(ValueError):
     """The launch plan does not fit the configuration or the MPI world."""
 
 
+@dataclass(frozen=True)
+class RoleKind:
+    """A kind of role a system's ranks play, and what the shared core needs to know of it.
+
+    Why registered, not listed here: the core launches, logs and stops ranks of both
+    systems and must know none of them by name; each system declares its own kinds
+    (the pipeline: ``stage``, ``backup``, ``spare``; Stannis: ``host``, ``csd``).
+    """
+
+    name: str
+    system: str  # who registered it, for error messages
+    indexed: bool = True  # "stage 1" (an index) or "host" (none)
+    writes_log: bool = False  # may open the run log: the lowest such rank does (LaunchPlan.log_rank)
+    idle: bool = False  # in the MPI world but not in the job (LaunchPlan.without_spares)
+    example: str = ""  # what a user writes, for error messages ("stage K")
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z_]*", self.name):
+            raise ValueError(f"role kind {self.name!r}: use a lower-case word")
+
+
+_KINDS: dict[str, RoleKind] = {}
+
+
+def register_role_kind(kind: RoleKind) -> RoleKind:
+    """Declare a kind of role; registering the same declaration again is harmless.
+
+    Raises:
+        ValueError: another system declared a different kind of that name.
+    """
+    known = _KINDS.setdefault(kind.name, kind)
+    if known != kind:
+        raise ValueError(f"role kind {kind.name!r} is declared twice, differently: by {known.system} "
+                         f"({known}) and by {kind.system} ({kind})")
+    return kind
+
+
+def role_kinds() -> dict[str, RoleKind]:
+    """The kinds declared so far, by name (a copy)."""
+    return dict(_KINDS)
+
+
+def _examples(kinds: Iterable[str]) -> str:
+    names = [k.example or (f"{k.name} K" if k.indexed else k.name) for k in map(_KINDS.__getitem__, kinds)]
+    return " or ".join(", ".join(f"'{n}'" for n in names).rsplit(", ", 1)) if names else "(none declared)"
+
+
+_ROLE_RE = re.compile(r"^\s*([a-z][a-z_]*)\s*(\d+)?\s*$")
+
+
 @dataclass(frozen=True, order=True)
 class Role:
-    """What one rank does: ``stage k``, ``backup k`` (shadows stage k), ``host``, ``csd k``,
-    or ``spare k`` (in the MPI world but not in the job: idle until it ends)."""
+    """What one rank does: a declared kind (:func:`register_role_kind`) and, for an indexed
+    kind, which one (``stage 1``, ``csd 3``; ``host`` has none)."""
 
     kind: str
     index: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise PlanError(f"unknown role kind {self.kind!r} (known: {', '.join(KINDS)})")
+        if self.kind not in _KINDS:
+            raise PlanError(f"unknown role kind {self.kind!r} (known: {', '.join(_KINDS) or 'none'}; "
+                            f"a system declares its kinds with mpipipe.core.roles.register_role_kind)")
+
+    @property
+    def spec(self) -> RoleKind:
+        """The declaration of this role's kind."""
+        return _KINDS[self.kind]
 
     def __str__(self) -> str:
-        return self.kind if self.kind == "host" else f"{self.kind} {self.index}"
+        return f"{self.kind} {self.index}" if self.spec.indexed else self.kind
 
     @classmethod
-    def parse(cls, text: str) -> Role:
-        """Read ``"stage 1"``, ``"backup 2"``, ``"host"`` or ``"csd 3"``."""
+    def parse(cls, text: str, kinds: Iterable[str] | None = None, job: str = "") -> Role:
+        """Read a role as a user writes it: ``"stage 1"``, ``"host"``, ``"csd 3"``, ...
+
+        ``kinds``: the kinds the caller's system accepts (default: every declared one), and
+        ``job`` what the error says of them ("a Stannis job has only a host and CSDs"). Why a
+        system names its own: which other systems happen to be imported in the process must
+        not change what a plan means, or the error a wrong one gets.
+
+        Raises:
+            PlanError: not one of ``kinds``, or an index missing where the kind needs one.
+        """
+        accepted = list(_KINDS) if kinds is None else [k for k in kinds if k in _KINDS]
         m = _ROLE_RE.match(text)
-        if not m:
-            raise PlanError(f"unknown role {text!r}: expected 'stage K', 'backup K', 'host', "
-                            "'csd K' or 'spare K'")
+        if not m or m.group(1) not in accepted:
+            raise PlanError(f"unknown role {text!r}: {job} (write {_examples(accepted)})" if job
+                            else f"unknown role {text!r}: expected {_examples(accepted)}")
         kind, index = m.group(1), m.group(2)
-        if kind != "host" and index is None:
+        if _KINDS[kind].indexed and index is None:
             raise PlanError(f"role {text!r} needs an index, e.g. '{kind} 1'")
         return cls(kind, int(index or 0))
 
@@ -85,19 +150,22 @@ class LaunchPlan:
 
     @property
     def log_rank(self) -> int:
-        """The world rank that opens and writes the run log: the lowest stage rank (the
-        host in Stannis). Why not rank 0: any rank may be a backup, and a backup has no
-        figures of its own to log and learns of steps only through its replicas."""
-        return min((r for r, role in enumerate(self.roles) if role.kind in ("stage", "host")),
-                   default=0)
+        """The world rank that opens and writes the run log: the lowest rank of a kind that
+        ``writes_log`` (a stage; the host in Stannis). Why not rank 0: any rank may be a
+        backup, and a backup has no figures of its own to log and learns of steps only
+        through its replicas."""
+        return min((r for r, role in enumerate(self.roles) if role.spec.writes_log), default=0)
 
     def without_spares(self) -> LaunchPlan:
-        """The plan of the ranks that work (spares are the last ranks, so none is renumbered)."""
-        return LaunchPlan(tuple(r for r in self.roles if r.kind != "spare"))
+        """The plan of the ranks that work, without the ``idle`` kinds (spares are the last
+        ranks, so none is renumbered)."""
+        return LaunchPlan(tuple(r for r in self.roles if not r.spec.idle))
 
     @classmethod
-    def from_table(cls, table: Mapping[str, Any], world_size: int) -> LaunchPlan:
-        """Build a plan from an explicit ``role name -> rank`` table (config ``[plan]``).
+    def from_table(cls, table: Mapping[str, Any], world_size: int,
+                   kinds: Iterable[str] | None = None, job: str = "") -> LaunchPlan:
+        """Build a plan from an explicit ``role name -> rank`` table (config ``[plan]``), of
+        roles of ``kinds`` (default: any declared; ``job``: see :meth:`Role.parse`).
 
         Raises:
             PlanError: a rank outside the world, a rank with two roles, a rank
@@ -105,7 +173,7 @@ class LaunchPlan:
         """
         by_rank: dict[int, Role] = {}
         for name, rank in table.items():
-            role = Role.parse(name)
+            role = Role.parse(name, kinds, job)
             if not isinstance(rank, int) or isinstance(rank, bool):
                 raise PlanError(f"[plan] '{name}' must be a rank number, got {rank!r}")
             if not 0 <= rank < world_size:
@@ -119,6 +187,17 @@ class LaunchPlan:
         if missing:
             raise PlanError(f"[plan] ranks {missing} have no role; give every rank one role")
         return cls(tuple(by_rank[r] for r in range(world_size)))
+
+
+# ---------------------------------------------------------------- the pipeline's plan
+# The pipeline's role kinds and plan. They belong to mpipipe.pipeline and move there (with
+# _backup_counts, which ResPipe reads) once its importers can change with them; until then
+# they stay importable here. Nothing above this line names a kind.
+
+STAGE = register_role_kind(RoleKind("stage", "the pipeline", writes_log=True))
+BACKUP = register_role_kind(RoleKind("backup", "ResPipe"))
+SPARE = register_role_kind(RoleKind("spare", "the pipeline", idle=True))
+PIPELINE_KINDS = (STAGE.name, BACKUP.name, SPARE.name)
 
 
 def pipeline_plan(cfg: Mapping[str, Mapping[str, Any]], world_size: int) -> LaunchPlan:
@@ -140,7 +219,8 @@ def pipeline_plan(cfg: Mapping[str, Mapping[str, Any]], world_size: int) -> Laun
     backups = _backup_counts(cfg["resilience"].get("backups", {}), stages)
     wanted = stages + sum(backups.values())
     if cfg.get("plan"):
-        plan = LaunchPlan.from_table(cfg["plan"], world_size)
+        plan = LaunchPlan.from_table(cfg["plan"], world_size, PIPELINE_KINDS, "a pipeline job has "
+                                     "only stages and backups (and spares after them)")
     else:
         if world_size != wanted:
             extra = f" + {wanted - stages} backups" if wanted > stages else ""

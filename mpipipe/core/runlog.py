@@ -1,7 +1,9 @@
 """The HDF5 run log: one file per run, written by one rank, flushed after every record.
 
-Both systems write the same schema (docs/hdf5-log.md), so one report command
-reads every run. Rows are appended to extendable datasets and the file is
+Both systems write the same schema, declared once in :mod:`mpipipe.core.logschema`
+(and described in docs/hdf5-log.md), so one report command reads every run; every
+record is checked against it, and one with an unknown column or event kind is refused
+(:class:`~mpipipe.core.logschema.SchemaError`). Rows are appended to extendable datasets and the file is
 flushed after each call, so a run killed at any moment leaves a file that
 reads up to its last completed step.
 
@@ -32,21 +34,33 @@ from typing import Any, TypeVar
 import h5py
 import numpy as np
 
+from mpipipe.core.logschema import (
+    EVAL_COLUMNS,
+    EVENT_COLUMNS,
+    GROUPS,
+    RANK_COLUMNS,
+    STEP_COLUMNS,
+    STR,
+    EventKind,
+    SchemaError,
+    check_columns,
+    dtypes,
+    event_kind,
+)
 from mpipipe.core.progress import spans
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_log", "open_for_reading",
-           "package_versions"]
+           "package_versions", "EventKind", "SchemaError"]
 
 FORMAT = "mpipipe-runlog"
 FORMAT_VERSION = 1
 
-_STEP_FIELDS = {"step": np.int64, "time": np.float64, "loss": np.float64,
-                "samples": np.int64, "samples_per_s": np.float64}
-_EVAL_FIELDS = {"step": np.int64, "time": np.float64, "accuracy": np.float64, "loss": np.float64}
-_RANK_FIELDS = {"step": np.int64, "compute_s": np.float64, "wait_s": np.float64,
-                "bytes_sent": np.int64, "bytes_recv": np.int64}
-_STR = h5py.string_dtype("utf-8")
-_EVENT_FIELDS = {"step": np.int64, "time": np.float64, "kind": _STR, "rank": np.int64, "detail": _STR}
+# The columns of each group (mpipipe/core/logschema.py declares them, with their meanings).
+_STEP_FIELDS = dtypes(STEP_COLUMNS)
+_EVAL_FIELDS = dtypes(EVAL_COLUMNS)
+_RANK_FIELDS = dtypes(RANK_COLUMNS)
+_BASE_RANK_FIELDS = dtypes(c for c in RANK_COLUMNS if c.required)
+_EVENT_FIELDS = dtypes(EVENT_COLUMNS)
 
 
 class LogError(ValueError):
@@ -82,9 +96,9 @@ def _append(group: h5py.Group, fields: Mapping[str, Any], rows: Sequence[Mapping
         ds = group[name]
         n = ds.shape[0] if n is None else n
         ds.resize((n + len(rows),))
-        missing = "" if dtype is _STR else (-1 if np.issubdtype(dtype, np.integer) else math.nan)
+        missing = "" if dtype is STR else (-1 if np.issubdtype(dtype, np.integer) else math.nan)
         values = [missing if row.get(name) is None else row.get(name) for row in rows]
-        ds[n:] = np.asarray(values, dtype=object if dtype is _STR else dtype)
+        ds[n:] = np.asarray(values, dtype=object if dtype is STR else dtype)
 
 
 _Method = TypeVar("_Method", bound=Callable[..., None])
@@ -111,7 +125,7 @@ def _record(method: _Method) -> _Method:
         elif self._queue is not None:
             # A record's time is when it was made, not when the file opened.
             now = self.elapsed()
-            if method.__name__ == "steps":
+            if method.__name__ == "_steps":
                 args = ([{**r, "time": now if r.get("time") is None else r["time"]}
                          for r in args[0]],)
             elif takes_time and kwargs.get("time") is None:
@@ -187,7 +201,7 @@ class RunLog:
         f.attrs["status"] = "running"
         for key, value in (attrs or {}).items():
             f.attrs[key] = value if isinstance(value, str | int | float) else json.dumps(value)
-        for name in ("steps", "eval", "ranks", "events"):
+        for name in GROUPS:
             f.create_group(name)
         for name, dtype in _EVENT_FIELDS.items():
             f["events"].create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(64,))
@@ -237,7 +251,7 @@ class RunLog:
                     ds.resize((len(kept),))
                     ds[:] = kept
         if dropped:
-            self.event("rows_dropped", step=step, rows=dropped,
+            self.event(EventKind.ROWS_DROPPED, step=step, rows=dropped,
                        why=f"the run resumed from its checkpoint of step {step}")
         self._file.flush()
 
@@ -394,17 +408,33 @@ class RunLog:
         samples_per_s: float,
         ranks: Mapping[int, Mapping[str, float]] | None = None,
     ) -> None:
-        """Record one optimizer step and the per-rank figures gathered for it."""
+        """Record one optimizer step and the per-rank figures gathered for it.
+
+        Raises:
+            SchemaError: a rank's figures name a column the schema does not declare.
+        """
         self.steps([{"step": step, "time": time, "loss": loss, "samples": samples,
                      "samples_per_s": samples_per_s, "ranks": ranks}])
 
-    @_record
     def steps(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Record several steps at once (keyword arguments of :meth:`step` per row).
 
         One resize and one write per dataset for all of them: what a writer that
-        has fallen behind uses to catch up.
+        has fallen behind uses to catch up. Every row is checked against the schema
+        first, on every rank (a null log too), so a misspelt figure fails where it is
+        made, not on the one rank that writes.
+
+        Raises:
+            SchemaError: a row or a rank's figures name a column the schema does not declare.
         """
+        for row in rows:
+            check_columns("steps", (k for k in row if k != "ranks"), f"(step {row.get('step')})")
+            for rank, figures in (row.get("ranks") or {}).items():
+                check_columns("ranks", figures, f"(rank {rank}, step {row.get('step')})")
+        self._steps(rows)
+
+    @_record
+    def _steps(self, rows: Sequence[Mapping[str, Any]]) -> None:
         if self._written_through is not None:
             rows = [r for r in rows if int(r["step"]) > self._written_through]
         if not rows:
@@ -420,11 +450,9 @@ class RunLog:
                 per_rank.setdefault(int(rank), []).append({"step": row["step"], **figures})
         for rank, rank_rows in per_rank.items():
             group = self._file["ranks"].require_group(str(rank))
-            fields = dict(_RANK_FIELDS)
-            for figures in rank_rows:
-                for key, value in figures.items():
-                    if key not in fields:
-                        fields[key] = np.int64 if isinstance(value, int | np.integer) else np.float64
+            # the base columns, and each declared extra these rows or earlier ones have
+            present = {key for figures in rank_rows for key in figures} | set(group)
+            fields = {k: d for k, d in _RANK_FIELDS.items() if k in _BASE_RANK_FIELDS or k in present}
             n = group["step"].shape[0] if "step" in group else 0
             for key, dtype in fields.items():
                 if key not in group and n:
@@ -434,17 +462,31 @@ class RunLog:
             _append(group, fields, rank_rows)
         self._file.flush()
 
-    @_record
     def eval(self, step: int, *, accuracy: float, loss: float = math.nan, time: float | None = None) -> None:
         """Record one evaluation on the held-out split."""
+        self._eval(step, accuracy=accuracy, loss=loss, time=time)
+
+    @_record
+    def _eval(self, step: int, *, accuracy: float, loss: float = math.nan, time: float | None = None) -> None:
         assert self._file is not None
         t = self.elapsed() if time is None else time
         _append(self._file["eval"], _EVAL_FIELDS, [{"step": step, "time": t, "accuracy": accuracy, "loss": loss}])
         self._file.flush()
 
+    def event(self, kind: EventKind | str, *, step: int, rank: int = -1, time: float | None = None,
+              **detail: Any) -> None:
+        """Record one event (fault injected, failure detected, takeover, re-tune, ...).
+
+        ``kind`` is an :class:`EventKind` (or its string); ``detail`` goes to the
+        ``detail`` column as one JSON object.
+
+        Raises:
+            SchemaError: ``kind`` is not an EventKind (checked on every rank).
+        """
+        self._event(event_kind(kind).value, step=step, rank=rank, time=time, **detail)
+
     @_record
-    def event(self, kind: str, *, step: int, rank: int = -1, time: float | None = None, **detail: Any) -> None:
-        """Record one event (fault injected, failure detected, takeover, re-tune, ...)."""
+    def _event(self, kind: str, *, step: int, rank: int = -1, time: float | None = None, **detail: Any) -> None:
         assert self._file is not None
         t = self.elapsed() if time is None else time
         _append(self._file["events"], _EVENT_FIELDS, [{
@@ -475,7 +517,7 @@ class RunLog:
 
         kinds = [k.decode() if isinstance(k, bytes) else str(k) for k in self.written("kind", "events")]
         resumed = [int(st) for k, st in zip(kinds, self.written("step", "events"), strict=True)
-                   if k == "resume"]
+                   if k == EventKind.RESUME]
         return throughput(self.written("time"), self.written("samples"), self.written("step"), resumed)
 
     def close(self, status: str = "completed", wait_s: float = 30.0) -> str:
@@ -545,7 +587,8 @@ class RunData:
     def system(self) -> str:
         return str(self.attrs.get("system", "?"))
 
-    def events_of(self, kind: str) -> list[dict[str, Any]]:
+    def events_of(self, kind: EventKind | str) -> list[dict[str, Any]]:
+        """The events of one kind, in log order (any string: a file may hold kinds of an older writer)."""
         return [e for e in self.events if e["kind"] == kind]
 
 
@@ -598,7 +641,7 @@ def open_log(path: str | Path) -> RunData:
         version = int(f.attrs.get("format_version", 0))
         if version > FORMAT_VERSION:
             raise LogError(f"{p}: log format version {version} is newer than this reader ({FORMAT_VERSION})")
-        for name in ("steps", "eval", "ranks", "events"):
+        for name in GROUPS:
             if name not in f or not isinstance(f[name], h5py.Group):
                 raise LogError(f"{p}: group /{name} is missing")
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
