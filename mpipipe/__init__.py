@@ -4,19 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"  # the one version number (pyproject.toml reads it)
+from mpipipe.core.version import __version__, package_version
+
 __all__ = ["Pipeline", "Route", "__version__", "package_version"]
-
-
-def package_version() -> str:
-    """The version ``--version`` prints: the installed distribution's (importlib.metadata),
-    or ``__version__`` when the code runs from a source tree that was never installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("mpipipe")
-    except PackageNotFoundError:
-        return __version__
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpipipe.core import stop
 from mpipipe.core.cli import Run, gather_figures
+from mpipipe.core.logschema import EventKind
 from mpipipe.core.lr import set_rate_for_step
 from mpipipe.core.roles import fail_fast
 
@@ -204,7 +205,7 @@ def setup(run: Run) -> Setup:
                       run.prog, run.rank)
         pipe.step_count = setup_.start_step
         run.log.cut_after(setup_.start_step)  # a continued log: those steps run again
-        run.log.event("resume", step=setup_.start_step, directory=str(run.args.resume))
+        run.log.event(EventKind.RESUME, step=setup_.start_step, directory=str(run.args.resume))
     run.log.expect_steps(setup_.start_step + 1, total)
 
     ckpt = cfg["run"]["checkpoint_dir"]
@@ -298,7 +299,7 @@ def save_checkpoint(s: Setup, step: int, position: tuple[int, int] | None = None
                           module=pipe.stage_module, optimizer=s.optimizer, sampler=position,
                           eval_count=pipe.eval_count)
     s.run.comm.Barrier()  # the checkpoint exists only once every stage has written
-    s.run.log.event("checkpoint", step=step, directory=str(s.checkpoint_dir))
+    s.run.log.event(EventKind.CHECKPOINT, step=step, directory=str(s.checkpoint_dir))
 
 
 def _abort(s: Setup, step: int, error: Exception) -> None:
@@ -309,7 +310,7 @@ def _abort(s: Setup, step: int, error: Exception) -> None:
     where = f"stage {s.pipe.stage} (rank {run.rank})"
     print(f"{run.prog}: error: {where} at step {step + 1}: {error}; without "
           f"[resilience] backups nothing can take over", file=sys.stderr, flush=True)
-    kind = "late" if isinstance(error, Late) else "failure_detected"
+    kind = EventKind.LATE if isinstance(error, Late) else EventKind.FAILURE_DETECTED
     run.log.event(kind, step=step + 1, rank=run.rank, error=str(error))
     run.log.close(f"failed: {where}: {error}")
     run.comm.Abort(3)

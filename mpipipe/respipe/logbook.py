@@ -16,6 +16,7 @@ from typing import Any
 
 from mpipipe.core import ft
 from mpipipe.core.faults import Fault
+from mpipipe.core.logschema import EventKind
 from mpipipe.core.runlog import LogError
 from mpipipe.respipe.control import _EVAL, _FAULT, _FIGS, _RELEASED
 from mpipipe.respipe.costmodel import predict, stage_shapes
@@ -39,7 +40,7 @@ class Logbook:
     def _fault_fired(self, fault: Fault, step: int, detail: Mapping[str, float]) -> None:
         now = time.time()
         if self.is_logger:
-            self._log_event("fault_injected", step, self.wrank, fault=str(fault), at=now)
+            self._log_event(EventKind.FAULT_INJECTED, step, self.wrank, fault=str(fault), at=now)
             if fault.kind in ("kill", "stall", "node-kill", "partition"):
                 # The log passes to a survivor, which needs the fault's time for its
                 # detected_after_s and recovery_s: every member hears it (logged: 1).
@@ -70,7 +71,7 @@ class Logbook:
                 if not (new_writer and step < self.done - 1):
                     self.fault_notes[w] = (t, spec)
                     if len(msg) < 4 or not msg[3]:  # the old writer logged its own
-                        self._log_event("fault_injected", step, w, fault=spec, at=t)
+                        self._log_event(EventKind.FAULT_INJECTED, step, w, fault=spec, at=t)
                 msg = self.control.poll(_FAULT, self._drank(w), seq=w)
 
     def _rel(self, t_abs: float) -> float | None:
@@ -79,7 +80,7 @@ class Logbook:
             return None
         return self.log.elapsed() - (time.time() - t_abs)
 
-    def _log_event(self, kind: str, step: int, rank: int, **detail: Any) -> None:
+    def _log_event(self, kind: EventKind, step: int, rank: int, **detail: Any) -> None:
         self.events.append((kind, dict(detail, step=step, rank=rank)))
         if self.log is not None:
             t = detail.pop("at", None)
@@ -165,7 +166,7 @@ class Logbook:
     def _close_open_events(self, t_done: float) -> None:
         for ev in self.open_events:
             rec = t_done - ev["t0"]
-            self._log_event(ev["kind"] + "_recovered", ev["step"], ev["rank"],
+            self._log_event(EventKind(ev["kind"] + "_recovered"), ev["step"], ev["rank"],
                             recovery_s=rec, detected_after_s=ev["detected_after_s"],
                             stage=ev["stage"], generation=ev["generation"])
         self.open_events = []
@@ -217,7 +218,7 @@ class Logbook:
         c = predict(shapes, batch_size=self.batch_size, backups=protected,
                     replicate_every=s.replicate_every, mode=s.mode, label_bytes=label,
                     input_bytes=in_bytes)
-        self._log_event("cost_model", 0, -1, bytes_per_step=c.total, plain=c.plain,
+        self._log_event(EventKind.COST_MODEL, 0, -1, bytes_per_step=c.total, plain=c.plain,
                         replica=c.replica, shadow=c.shadow, lost_updates=c.lost_updates,
                         mode=s.mode, replicate_every=s.replicate_every)
 
@@ -270,7 +271,7 @@ class Logbook:
         self.pending_rows, self._rebuilt = {}, {}
         for s in self._figs_again(lambda s: s < P):
             self._rebuilt[s] = senders
-        self._log_event("log_writer_moved", P, self.wrank, previous=old,
+        self._log_event(EventKind.LOG_WRITER_MOVED, P, self.wrank, previous=old,
                         why="the previous writer left the job (failed or replaced)")
 
     def _leave_log(self, generation: int) -> None:

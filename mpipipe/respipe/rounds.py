@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mpipipe.core import ft
+from mpipipe.core.logschema import EventKind
 from mpipipe.core.statecodec import unpack_state
 from mpipipe.core.transport import Late, PeerFailed, pause
 from mpipipe.respipe.control import _ANNOUNCE, _DECISION, _DEMOTED, _Control
@@ -270,7 +271,7 @@ class Rounds:
         stage_before = {k: w for k, w in enumerate(self.route_w)}
         if d.lost_stage >= 0:
             k = d.lost_stage
-            self._log_event("stage_lost", P, stage_before[k], stage=k, reason=d.reason)
+            self._log_event(EventKind.STAGE_LOST, P, stage_before[k], stage=k, reason=d.reason)
             self._flush_rows_until(P)
             raise StageLost(k, stage_before[k], "failed" if d.reason == "failed"
                             else "stopped responding", had=len(self.plan.ranks_of("backup", k)))
@@ -314,7 +315,7 @@ class Rounds:
                       default=math.nan)
         detected_after = d.t_detect - t_fault if not math.isnan(t_fault) else d.waited_s
         if self.is_logger:
-            kind = "failure_detected" if d.reason == "failed" or d.shrink else "late"
+            kind = EventKind.FAILURE_DETECTED if d.reason == "failed" or d.shrink else EventKind.LATE
             for w in gone:
                 backup_of = next((k for k, bs in backups_before.items() if w in bs), -1)
                 self._log_event(kind, P, w, detected_after_s=detected_after,
@@ -328,10 +329,10 @@ class Rounds:
                                           f"backup{'' if left == 1 else 's'} left")
             for k in lost_stages:
                 w_new = self.route_w[k] if d.merge < 0 else self.route_w[max(k - 1, 0)]
-                ev = {"kind": "takeover", "step": P, "rank": w_new, "stage": k,
+                ev = {"kind": EventKind.TAKEOVER, "step": P, "rank": w_new, "stage": k,
                       "generation": self.gen, "detected_after_s": detected_after,
                       "t0": t_fault if not math.isnan(t_fault) else d.t_detect}
-                self._log_event("takeover", P, w_new, stage=k, replaced=stage_before[k],
+                self._log_event(EventKind.TAKEOVER, P, w_new, stage=k, replaced=stage_before[k],
                                 generation=self.gen, replay_step=-1 if go_on else P + 1,
                                 lost_updates=P - d.choices.get(k, P),
                                 detected_after_s=detected_after,
@@ -339,7 +340,7 @@ class Rounds:
                 self.open_events.append(ev)
         self.takeovers += len(lost_stages)
         if d.admit >= 0 and self.is_logger:
-            self._log_event("rejoined", P, d.admit, stage=d.admit_stage,
+            self._log_event(EventKind.REJOINED, P, d.admit, stage=d.admit_stage,
                             generation=self.gen, after_s=t_comm - d.waited_s)
         if go_on:
             self._go_on()

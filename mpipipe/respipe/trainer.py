@@ -50,6 +50,7 @@ from mpipipe.core import ft
 from mpipipe.core.checkpoint import CheckpointError
 from mpipipe.core.data import DataFault
 from mpipipe.core.faults import FaultPlan
+from mpipipe.core.logschema import EventKind
 from mpipipe.core.lr import set_rate_for_step
 from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
 from mpipipe.core.stop import ControlStop, StopRun
@@ -351,7 +352,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
                                   self.optimizer, torch.optim.Optimizer) else None,
                               eval_count=self.pipe.eval_count)
         if self.is_logger:
-            self._log_event("checkpoint", self.done, self.wrank,
+            self._log_event(EventKind.CHECKPOINT, self.done, self.wrank,
                             directory=str(self.checkpoint_dir))
 
     def _finish(self) -> None:
