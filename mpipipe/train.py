@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from mpipipe.core.cli import add_train_arguments, planned_steps, start_run
-from mpipipe.core.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from mpipipe.core.roles import pipeline_plan
+from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
 __all__ = ["add_parser", "main"]
 

@@ -135,9 +135,10 @@ def test_run_epochs_count_the_batches_the_reader_hands_out(digits, drop_last):
     of 32 and a remainder of 30, which is a step only when padded)."""
     from mpipipe.core import data
     from mpipipe.core.config import load_config
+    from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 
     sets = [f'data.path="{digits}"', "data.batch_size=32", f"data.drop_last={str(drop_last).lower()}"]
-    cfg = load_config(None, [*sets, "run.steps=0", "run.epochs=2"])
+    cfg = load_config(None, [*sets, "run.steps=0", "run.epochs=2"], PIPELINE_DEFAULTS)
     steps = data.run_steps(cfg)
     assert steps == (88 if drop_last else 90)
     reader = data.TrainBatches(digits, 32, seed=0, drop_last=drop_last)
@@ -148,6 +149,6 @@ def test_run_epochs_count_the_batches_the_reader_hands_out(digits, drop_last):
         handed += 1
     assert handed == steps
     # run.steps wins over epochs; too small a data set is the usual one-line DataError
-    assert data.run_steps(load_config(None, [*sets, "run.steps=7", "run.epochs=2"])) == 7
+    assert data.run_steps(load_config(None, [*sets, "run.steps=7", "run.epochs=2"], PIPELINE_DEFAULTS)) == 7
     with pytest.raises(data.DataError, match="fewer than one batch of 5000"):
-        data.run_steps(load_config(None, [f'data.path="{digits}"', "data.batch_size=5000"]))
+        data.run_steps(load_config(None, [f'data.path="{digits}"', "data.batch_size=5000"], PIPELINE_DEFAULTS))

@@ -47,7 +47,7 @@ BAD = [
     # (ranks, extra arguments or config text, words the one error line must contain)
     (2, [], "needs 3 ranks"),
     (2, ["--set", "pipeline.chunkz=4"], "unknown key 'pipeline.chunkz'"),
-    (2, ["--set", "pipeline.schedule=zigzag"], "choose one of gpipe, 1f1b"),
+    (2, ["--set", "pipeline.schedule=zigzag"], "choose one of gpipe, 1f1b, interleaved-1f1b"),
     (2, ["--set", "pipeline.stages=2", "--set", "data.batch_size=2"],
      "smaller than pipeline.chunks"),
     (2, ["--set", "pipeline.stages=2", "--set", "pipeline.balance=[1, 1]"], "covers 2 layers"),

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["split", "check_balance", "balance_by_time", "balance_by_params",
+__all__ = ["split", "stage_modules", "StageChunks", "check_balance", "balance_by_time", "balance_by_params",
            "balance_costs", "layer_times"]
 
 
@@ -42,6 +42,34 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
         stages.append(nn.Sequential(OrderedDict(names[start:start + count])))
         start += count
     return stages
+
+
+class StageChunks(nn.Sequential):
+    """The module of a stage that holds several model chunks (interleaved schedules).
+
+    Why: a stage is what ResPipe replicates, checkpoints and hands over, so it needs one
+    module whose parameters and state_dict are those of all its chunks (layer names are
+    the model's). Its layers are not consecutive in the model, so it cannot be called:
+    `chunks` are the runnable pieces, in model order.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Sequential]) -> None:
+        super().__init__(OrderedDict(item for c in chunks for item in c._modules.items()))
+        self.chunks = list(chunks)  # a plain list: not registered twice as submodules
+
+    def forward(self, *args: object) -> torch.Tensor:
+        raise TypeError(f"this stage holds {len(self.chunks)} chunks that are not consecutive "
+                        f"in the model: run each of .chunks where the schedule says")
+
+
+def stage_modules(chunks: Sequence[nn.Sequential], k: int) -> list[nn.Sequential]:
+    """Each of `k` stages' module: chunk k itself (one chunk per stage), or a
+    :class:`StageChunks` of chunks k, k + K, k + 2K, ... (v = len(chunks) / k per stage)."""
+    if len(chunks) % k:
+        raise ValueError(f"{len(chunks)} chunks do not divide over {k} stages")
+    if len(chunks) == k:
+        return list(chunks)
+    return [StageChunks(chunks[s::k]) for s in range(k)]
 
 
 def balance_costs(costs: Sequence[float], k: int) -> list[int]:

@@ -364,8 +364,9 @@ def cost_main(args: Any) -> int:
     import json
     import sys
 
-    from mpipipe.core.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, ConfigError, load_config
+    from mpipipe.core.config import ConfigError, load_config
     from mpipipe.core.roles import PlanError, _backup_counts
+    from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
     prog = "mpipipe cost"
     try:

@@ -48,8 +48,9 @@ from mpipipe.core.runlog import LogError
 from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
 from mpipipe.core.stop import ControlStop, StopRun
 from mpipipe.core.transport import CTRL, REPLICA, SHADOW, Late, PeerFailed, pause, set_wait_hook
-from mpipipe.pipeline.engine import SHADOW_GRAD_MICRO, Have, Pipeline, Route, stage_consumers
 from mpipipe.respipe.costmodel import predict, stage_shapes
+from mpipipe.respipe.mirror import SHADOW_GRAD_MICRO, Have, Route, stage_consumers
+from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 
 __all__ = [
     "Settings",
@@ -157,6 +158,9 @@ class Settings:
         if sec["mode"] == "neighbour" and _backup_counts(sec.get("backups", {}), stages):
             raise ValueError("resilience.mode = \"neighbour\" needs no backup ranks (each "
                              "stage's neighbour holds its replica): set resilience.backups = {}")
+        if sec["mode"] != "cold" and (sched := cfg.get("pipeline", {}).get("schedule")) == "interleaved-1f1b":
+            raise ValueError(f'resilience.mode = "{sec["mode"]}" runs one chunk per rank: '
+                             f'schedule "{sched}" needs resilience.mode = "cold"')
         # Whether each fault can fire was checked at start-up (cli.check_faults).
         faults = tuple(parse_all(sec.get("inject", [])))
         return cls(_backup_counts(sec.get("backups", {}), stages), r, sec["mode"],
@@ -1747,7 +1751,7 @@ def train(run: Any) -> int:
     from mpipipe.core import checkpoint, data, stop
     from mpipipe.pipeline import train as plain
 
-    s = plain.setup(run)
+    s = plain.setup(run, Pipeline)
     cfg, log, progress = run.cfg, run.log, run.progress
     try:
         Settings.from_config(cfg, s.pipe.k, s.pipe.chunks)
