@@ -12,35 +12,112 @@ from hypothesis import strategies as st
 from mpipipe.core import checkpoint
 from mpipipe.core.models import build_model
 from mpipipe.core.transport import make_tag, split_tag
+from mpipipe.pipeline.config import PIPELINE_CHOICES
 from mpipipe.pipeline.partition import balance_by_params, balance_by_time, balance_costs, split
-from mpipipe.pipeline.schedule import actions, gpipe, onef1b
+from mpipipe.pipeline.schedule import (
+    REGISTRY,
+    SCHEDULES,
+    Action,
+    Op,
+    actions,
+    gpipe,
+    onef1b,
+    virtual_stages,
+)
+
+F, B = Op.FORWARD, Op.BACKWARD
+
+
+def _simulate(name: str, k: int, v: int, m: int) -> None:
+    """Run every rank's action list against the others with sends that never block (as
+    the transport's Isend) and receives that do: each rank must finish (no deadlock), and
+    every action must find what it needs (its input, or its output's gradient) done."""
+    lists = [actions(name, r, k, m, v) for r in range(k)]
+    last = v * k - 1
+    pos, done = [0] * k, set()
+    moved = True
+    while moved:
+        moved = False
+        for r in range(k):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                assert a.stage % k == r, f"{name}: rank {r} runs chunk {a.stage}"
+                if a.op == F:
+                    need = None if a.stage == 0 else (F, a.stage - 1, a.micro)
+                else:
+                    assert (F, a.stage, a.micro) in done
+                    need = None if a.stage == last else (B, a.stage + 1, a.micro)
+                if need is not None and need not in done:
+                    break
+                done.add((a.op, a.stage, a.micro))
+                pos[r] += 1
+                moved = True
+    assert pos == [len(x) for x in lists], f"{name} K={k} v={v} m={m} deadlocks at {pos}"
+    assert len(done) == 2 * v * k * m
 
 
 @given(k=st.integers(1, 6), m=st.integers(1, 12), name=st.sampled_from(["gpipe", "1f1b"]))
 def test_every_micro_batch_runs_forward_then_backward_once(k, m, name):
     for stage in range(k):
         acts = actions(name, stage, k, m)
-        assert sorted(acts) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert sorted((a.op, a.micro) for a in acts) == sorted(
+            [(F, i) for i in range(m)] + [(B, i) for i in range(m)])
+        assert {a.stage for a in acts} == {stage}
         for i in range(m):
-            assert acts.index(("F", i)) < acts.index(("B", i))
+            assert acts.index(Action(F, i, stage)) < acts.index(Action(B, i, stage))
         # backwards run in micro-batch order on every stage, so gradients meet in order
-        assert [i for op, i in acts if op == "B"] == list(range(m))
+        assert [a.micro for a in acts if a.op == B] == list(range(m))
+    _simulate(name, k, 1, m)
+
+
+@given(k=st.integers(1, 5), v=st.integers(2, 4), rounds=st.integers(1, 4))
+def test_interleaved_runs_every_chunk_of_every_micro_batch_without_deadlock(k, v, rounds):
+    m = rounds * k
+    for rank in range(k):
+        acts = actions("interleaved-1f1b", rank, k, m, v)
+        chunks = range(rank, v * k, k)
+        assert sorted((a.op, a.stage, a.micro) for a in acts) == sorted(
+            (op, c, i) for op in (F, B) for c in chunks for i in range(m))
+    _simulate("interleaved-1f1b", k, v, m)
+
+
+def test_interleaved_order_and_its_checks():
+    # K = 2, v = 2, m = 4: rank 0 warms up with (v-1)K + 2(K-1) = 4 forwards, in rounds of K
+    assert [str(a) for a in actions("interleaved-1f1b", 0, 2, 4, 2)][:6] == [
+        "F0@0", "F1@0", "F0@2", "F1@2", "F2@0", "B0@2"]
+    assert str(actions("interleaved-1f1b", 1, 2, 4, 2)[3]) == "B0@3"
+    with pytest.raises(ValueError, match="multiple of the 2 ranks"):
+        actions("interleaved-1f1b", 0, 2, 3, 2)
+    assert virtual_stages("interleaved-1f1b", 6, 3) == 2
+    assert virtual_stages("1f1b", 3, 3) == 1
+    with pytest.raises(ValueError, match="v >= 2 chunks per rank"):
+        virtual_stages("interleaved-1f1b", 3, 3)
+    with pytest.raises(ValueError, match="v >= 2 chunks per rank"):
+        virtual_stages("interleaved-1f1b", 5, 2)
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        virtual_stages("gpipe", 4, 2)
 
 
 @given(k=st.integers(1, 6), m=st.integers(1, 12))
 def test_1f1b_keeps_at_most_k_minus_stage_micro_batches_in_flight(k, m):
     for stage in range(k):
         in_flight = peak = 0
-        for op, _ in onef1b(stage, k, m):
-            in_flight += 1 if op == "F" else -1
+        for a in onef1b(stage, k, 1, m):
+            in_flight += 1 if a.op == F else -1
             peak = max(peak, in_flight)
         assert peak <= min(k - stage, m)
-    assert gpipe(m)[:m] == [("F", i) for i in range(m)]
+    assert gpipe(0, 1, 1, m)[:m] == [Action(F, i, 0) for i in range(m)]
 
 
 def test_unknown_schedule_is_named():
-    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'; choose one of gpipe, 1f1b, "
+                                         "interleaved-1f1b"):
         actions("zigzag", 0, 2, 4)
+
+
+def test_the_config_choices_are_the_registry():
+    assert PIPELINE_CHOICES["pipeline.schedule"] == tuple(REGISTRY) == SCHEDULES
+    assert all(s.description for s in REGISTRY.values())
 
 
 @settings(max_examples=60)
