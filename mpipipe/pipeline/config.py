@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from mpipipe.core.lr import SCHEDULES as LR_SCHEDULES
-from mpipipe.pipeline.schedule import SCHEDULES
+from mpipipe.pipeline.schedule import SCHEDULES, get, virtual_stages
 
-__all__ = ["PIPELINE_DEFAULTS", "PIPELINE_CHOICES"]
+__all__ = ["PIPELINE_DEFAULTS", "PIPELINE_CHOICES", "chunks_per_stage"]
 
 PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {
@@ -71,3 +71,21 @@ PIPELINE_CHOICES: dict[str, tuple[str, ...]] = {
     "pipeline.schedule": SCHEDULES,
     "resilience.mode": ("cold", "hot", "neighbour"),
 }
+
+
+def chunks_per_stage(cfg: dict[str, Any]) -> int:
+    """v, the model chunks each stage runs: len(balance) / stages for a schedule of several
+    chunks per rank (2 when the balance is automatic: [] cuts the model into 2K chunks),
+    else 1.
+
+    Raises:
+        ValueError: a balance whose length does not fit the schedule and stage count.
+    """
+    p = cfg["pipeline"]
+    k, name = p["stages"], p["schedule"]
+    if not p["balance"]:
+        return 2 if get(name).virtual else 1
+    try:
+        return virtual_stages(name, len(p["balance"]), k)
+    except ValueError as e:
+        raise ValueError(f"pipeline.balance = {p['balance']} with pipeline.stages = {k}: {e}") from None

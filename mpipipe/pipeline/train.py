@@ -70,27 +70,9 @@ def agree(run: Run, error: str | None) -> None:
         run.fail(first)
 
 
-def chunks_per_stage(cfg: dict) -> int:
-    """v, the model chunks each stage runs: len(balance) / stages for a schedule of several
-    chunks per rank (2 when the balance is automatic), else 1.
-
-    Raises:
-        ValueError: a balance whose length does not fit the schedule and stage count.
-    """
-    from mpipipe.pipeline.schedule import get, virtual_stages
-
-    p = cfg["pipeline"]
-    k, name = p["stages"], p["schedule"]
-    if not p["balance"]:
-        return 2 if get(name).virtual else 1
-    try:
-        return virtual_stages(name, len(p["balance"]), k)
-    except ValueError as e:
-        raise ValueError(f"pipeline.balance = {p['balance']} with pipeline.stages = {k}: {e}") from None
-
-
 def _static_checks(cfg: dict) -> str | None:
     """Checks every rank reaches the same verdict on without talking to the others."""
+    from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.schedule import check_virtual
 
     p, d = cfg["pipeline"], cfg["data"]
@@ -123,6 +105,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
 
     from mpipipe.core import checkpoint, data
     from mpipipe.core.models import build_model
+    from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.engine import Pipeline, Route
     from mpipipe.pipeline.partition import balance_by_params, balance_by_time, check_balance
 

@@ -460,13 +460,15 @@ class ResPipe:
         """
         import copy
 
-        part = copy.deepcopy(self.pipe.partitions[stage])
-        shape, dtype = self.pipe.boundary_shapes(self.in_shape)[stage]
-        x = torch.zeros((2, *shape), dtype=dtype, requires_grad=dtype.is_floating_point)
-        out = part(x)
-        out.float().sum().backward()
-        opt = self.make_optimizer(part.parameters())
-        opt.step()
+        shapes, pipe = self.pipe.boundary_shapes(self.in_shape), self.pipe
+        for c in range(stage, len(pipe.chunk_modules), pipe.k):  # the stage's chunks
+            part = copy.deepcopy(pipe.chunk_modules[c])
+            shape, dtype = shapes[c]
+            x = torch.zeros((2, *shape), dtype=dtype, requires_grad=dtype.is_floating_point)
+            out = part(x)
+            out.float().sum().backward()
+            opt = self.make_optimizer(part.parameters())
+            opt.step()
 
     # -- small helpers ---------------------------------------------------------------
     @property
