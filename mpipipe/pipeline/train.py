@@ -100,6 +100,9 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     message are made on every rank, the others are agreed with one allgather.
     `pipeline_cls`: the engine's Pipeline, or a subclass (ResPipe's hot mirror).
     """
+    error = _static_checks(run.cfg)  # before torch is imported: a wrong config fails fast
+    if error:
+        run.fail(error)
     import torch
     from torch import nn
 
@@ -110,9 +113,6 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     from mpipipe.pipeline.partition import balance_by_params, balance_by_time, check_balance
 
     cfg, comm = run.cfg, run.comm
-    error = _static_checks(cfg)
-    if error:
-        run.fail(error)
     path = cfg["data"]["path"]
     try:
         in_shape = data.image_shape(path)
