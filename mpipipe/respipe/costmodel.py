@@ -138,6 +138,7 @@ def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int], optim: str,
     if parts and all(isinstance(p, StageChunks) for p in parts):
         k, v = len(parts), len(parts[0].chunks)
         parts = [parts[c % k].chunks[c // k] for c in range(v * k)]
+        stages = stages or k
     k = stages or len(parts)
     if not parts or len(parts) % k:
         raise ValueError(f"{len(parts)} chunks do not divide over {k} stages")
@@ -425,7 +426,8 @@ def cost_main(args: Any) -> int:
         print(json.dumps({"balance": balance, "backups": backups, "batch_size": batch,
                           "rows": rows}))
         return 0
-    print(f"{cfg['model']['name']} in {k} stages, balance {balance}{note}; batch {batch}; "
+    chunks = f" of {len(balance) // k} chunks each" if len(balance) > k else ""
+    print(f"{cfg['model']['name']} in {k} stages{chunks}, balance {balance}{note}; batch {batch}; "
           f"backups {backups}{assumed}")
     print(format_table(rows))
     print("bytes are payload per optimizer step, all ranks together; 'max lost updates' is "
