@@ -14,7 +14,8 @@ as ratios, because the machine is shared and noisy:
 - vs_torch_pipelining: best mpipipe schedule / best torch.distributed.pipelining schedule
   (gloo backend, same model, cut, mini-batch and micro-batches)
 - speedup_interleaved_vs_single: mpipipe interleaved 1F1B (v = 2 chunks per rank, the
-  model cut in 2K chunks by time) / single-process training on one thread
+  model cut in 2K chunks by time: the cut whose simulated step is shortest) /
+  single-process training on one thread
 - interleaved_vs_torch: mpipipe interleaved 1F1B / torch's ScheduleInterleaved1F1B on the
   same 2K chunks
 - transport_vs_raw: mpipipe Transport / raw mpi4py Send/Recv, 1 MB ping-pong
@@ -59,10 +60,10 @@ def _model_and_batch(args: argparse.Namespace):
     return model, x, y, in_shape
 
 
-def _balance(args: argparse.Namespace, model, x, parts: int = K) -> list[int]:
+def _balance(args: argparse.Namespace, model, x, v: int = 1) -> list[int]:
     from mpipipe.pipeline.partition import balance_by_time
 
-    return balance_by_time(model, x[: args.batch // args.chunks], parts)
+    return balance_by_time(model, x[: args.batch // args.chunks], K, v=v, m=args.chunks)
 
 
 def _timed(step, warmup: int, steps: int, sync=lambda: None) -> float:
@@ -119,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=size)
     model, x, y, in_shape = _model_and_batch(args)
     balance = world.bcast(_balance(args, model, x) if rank == 0 else None, root=0)
-    interleaved = world.bcast(_balance(args, model, x, V * K) if rank == 0 else None, root=0)
+    interleaved = world.bcast(_balance(args, model, x, V) if rank == 0 else None, root=0)
     loss_fn = torch.nn.CrossEntropyLoss()
     sps: dict[str, list[float]] = {}
 

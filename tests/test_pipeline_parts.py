@@ -21,6 +21,7 @@ from mpipipe.pipeline.schedule import (
     Op,
     actions,
     gpipe,
+    makespan,
     onef1b,
     virtual_stages,
 )
@@ -107,6 +108,33 @@ def test_1f1b_keeps_at_most_k_minus_stage_micro_batches_in_flight(k, m):
             peak = max(peak, in_flight)
         assert peak <= min(k - stage, m)
     assert gpipe(0, 1, 1, m)[:m] == [Action(F, i, 0) for i in range(m)]
+
+
+@pytest.mark.parametrize("k,m", [(2, 4), (3, 6), (4, 8)])
+def test_makespan_shows_the_bubble_each_schedule_promises(k, m):
+    # K stages of one unit of work per micro-batch (forward 1, backward 2): (m + K - 1) x 3
+    for name in ("gpipe", "1f1b"):
+        assert makespan(name, k, 1, m, [1.0] * k, [2.0] * k) == (m + k - 1) * 3
+    # the same work in 2 chunks per rank: the bubble shrinks, the work stays m x 3
+    inter = makespan("interleaved-1f1b", k, 2, m, [0.5] * 2 * k, [1.0] * 2 * k)
+    assert m * 3 < inter < (m + k - 1) * 3
+
+
+def test_interleaved_balance_is_no_slower_than_the_smallest_largest_chunk():
+    from mpipipe.pipeline.partition import balance_interleaved
+
+    costs = [1.6, 0.5, 6.7, 0.4, 1.4, 2.6, 0.2, 4.7, 0.2, 0.7, 2.5, 0.1, 4.3, 0.1, 0.4, 0.1, 1.2]
+
+    def step(b):
+        bounds = list(itertools.accumulate(b, initial=0))
+        chunk = [sum(costs[bounds[i]:bounds[i + 1]]) for i in range(len(b))]
+        return makespan("interleaved-1f1b", 2, 2, 8, [c / 3 for c in chunk], [2 * c / 3 for c in chunk])
+
+    cut = balance_interleaved(costs, 2, 2, 8)
+    assert len(cut) == 4 and sum(cut) == len(costs) and min(cut) >= 1
+    assert step(cut) <= step(balance_costs(costs, 4))
+    with pytest.raises(ValueError, match="cannot cut 3 layers into 4"):
+        balance_interleaved([1, 1, 1], 2, 2, 4)
 
 
 def test_unknown_schedule_is_named():

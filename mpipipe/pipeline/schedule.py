@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 __all__ = ["Op", "Action", "Schedule", "REGISTRY", "SCHEDULES", "gpipe", "onef1b",
-           "interleaved_1f1b", "actions", "get", "virtual_stages", "check_virtual"]
+           "interleaved_1f1b", "actions", "get", "virtual_stages", "check_virtual", "makespan"]
 
 
 class Op(IntEnum):
@@ -184,3 +184,43 @@ def check_virtual(name: str, k: int, v: int, m: int) -> None:
     """Every check of (schedule, K, v, m) that needs no model: raises ValueError."""
     virtual_stages(name, v * k, k)
     actions(name, 0, k, m, v)
+
+
+def makespan(name: str, k: int, v: int, m: int, forward: list[float],
+             backward: list[float]) -> float:
+    """The time one step of schedule `name` takes if chunk c's forward of one micro-batch
+    takes forward[c] and its backward backward[c], and messages take no time.
+
+    Why: with several chunks per rank the best cut is not the one with the smallest
+    largest chunk (what each rank does in total matters, and the warm-up order), so the
+    balancer compares cuts by the step they make. Sends never wait; an action starts
+    when its rank is free and its input (or output gradient) is there.
+
+    Raises:
+        ValueError: the schedule's action lists deadlock (a bug in a builder).
+    """
+    lists = [actions(name, r, k, m, v) for r in range(k)]
+    last = v * k - 1
+    pos, free = [0] * k, [0.0] * k
+    done: dict[tuple[int, int, int], float] = {}
+    moved = True
+    while moved:
+        moved = False
+        for r in range(k):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                if a.op == Op.FORWARD:
+                    need = None if a.stage == 0 else (0, a.stage - 1, a.micro)
+                    cost = forward[a.stage]
+                else:
+                    need = None if a.stage == last else (1, a.stage + 1, a.micro)
+                    cost = backward[a.stage]
+                if need is not None and need not in done:
+                    break
+                start = max(free[r], done[need] if need is not None else 0.0)
+                free[r] = done[(int(a.op), a.stage, a.micro)] = start + cost
+                pos[r] += 1
+                moved = True
+    if pos != [len(x) for x in lists]:
+        raise ValueError(f"schedule {name!r} deadlocks with K = {k}, v = {v}, m = {m}")
+    return max(free)

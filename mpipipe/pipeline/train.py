@@ -163,13 +163,13 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
             run.fail(f"pipeline.stages = {k}" + (f" with {v} chunks each" if v > 1 else "")
                      + f" but model {cfg['model']['name']} has only {len(model)} layers")
         if cfg["pipeline"]["balance_by"] == "params":
-            balance = balance_by_params(model, v * k)
+            balance = balance_by_params(model, k, v, m)
         else:
             # timings differ from rank to rank: one rank measures, all use its answer
             if run.rank == 0:
                 gen = torch.Generator().manual_seed(0)
                 sample = torch.randn(cfg["data"]["batch_size"] // m, *in_shape, generator=gen)
-                balance = balance_by_time(model, sample, v * k)
+                balance = balance_by_time(model, sample, k, v=v, m=m)
             balance = comm.bcast(balance, root=0)
     try:
         balance = check_balance(model, balance)

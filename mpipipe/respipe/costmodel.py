@@ -468,7 +468,7 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
     if cfg["pipeline"]["balance"]:
         balance = check_balance(model, cfg["pipeline"]["balance"])
     else:
-        balance = balance_by_params(model, v * k)
+        balance = balance_by_params(model, k, v, cfg["pipeline"]["chunks"])
         if cfg["pipeline"]["balance_by"] == "time":
             note = " (by parameters; the run balances by measured time and may cut elsewhere)"
     o = cfg["optim"]
