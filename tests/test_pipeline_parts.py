@@ -19,6 +19,7 @@ from mpipipe.pipeline.schedule import (
     SCHEDULES,
     Action,
     Op,
+    Schedule,
     actions,
     gpipe,
     makespan,
@@ -31,30 +32,12 @@ F, B = Op.FORWARD, Op.BACKWARD
 
 def _simulate(name: str, k: int, v: int, m: int) -> None:
     """Run every rank's action list against the others with sends that never block (as
-    the transport's Isend) and receives that do: each rank must finish (no deadlock), and
-    every action must find what it needs (its input, or its output's gradient) done."""
-    lists = [actions(name, r, k, m, v) for r in range(k)]
-    last = v * k - 1
-    pos, done = [0] * k, set()
-    moved = True
-    while moved:
-        moved = False
-        for r in range(k):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                assert a.stage % k == r, f"{name}: rank {r} runs chunk {a.stage}"
-                if a.op == F:
-                    need = None if a.stage == 0 else (F, a.stage - 1, a.micro)
-                else:
-                    assert (F, a.stage, a.micro) in done
-                    need = None if a.stage == last else (B, a.stage + 1, a.micro)
-                if need is not None and need not in done:
-                    break
-                done.add((a.op, a.stage, a.micro))
-                pos[r] += 1
-                moved = True
-    assert pos == [len(x) for x in lists], f"{name} K={k} v={v} m={m} deadlocks at {pos}"
-    assert len(done) == 2 * v * k * m
+    the transport's Isend) and receives that do (schedule.makespan raises on a deadlock
+    or a backward before its forward); each rank runs its own chunks only."""
+    for r in range(k):
+        assert all(a.stage % k == r for a in actions(name, r, k, m, v)), f"{name}: rank {r}"
+    ones = [1.0] * (v * k)
+    assert makespan(name, k, v, m, ones, ones) >= 2 * v * m
 
 
 @given(k=st.integers(1, 6), m=st.integers(1, 12), name=st.sampled_from(["gpipe", "1f1b"]))
@@ -135,6 +118,16 @@ def test_interleaved_balance_is_no_slower_than_the_smallest_largest_chunk():
     assert step(cut) <= step(balance_costs(costs, 4))
     with pytest.raises(ValueError, match="cannot cut 3 layers into 4"):
         balance_interleaved([1, 1, 1], 2, 2, 4)
+
+
+def test_a_builder_that_runs_a_backward_before_its_forward_is_caught(monkeypatch):
+    def backwards_first(rank, k, v, m):
+        return [a for a in gpipe(rank, k, v, m) if a.op == B] + \
+            [a for a in gpipe(rank, k, v, m) if a.op == F]
+
+    monkeypatch.setitem(REGISTRY, "wrong", Schedule("wrong", backwards_first, "for a test"))
+    with pytest.raises(ValueError, match="before its forward"):
+        makespan("wrong", 2, 1, 2, [1.0] * 2, [1.0] * 2)
 
 
 def test_unknown_schedule_is_named():

@@ -194,10 +194,12 @@ def makespan(name: str, k: int, v: int, m: int, forward: list[float],
     Why: with several chunks per rank the best cut is not the one with the smallest
     largest chunk (what each rank does in total matters, and the warm-up order), so the
     balancer compares cuts by the step they make. Sends never wait; an action starts
-    when its rank is free and its input (or output gradient) is there.
+    when its rank is free and its input (or output gradient) is there; a backward
+    also needs its own forward done.
 
     Raises:
-        ValueError: the schedule's action lists deadlock (a bug in a builder).
+        ValueError: the schedule's action lists deadlock, or a backward comes before
+            its forward (a bug in a builder).
     """
     lists = [actions(name, r, k, m, v) for r in range(k)]
     last = v * k - 1
@@ -213,6 +215,9 @@ def makespan(name: str, k: int, v: int, m: int, forward: list[float],
                     need = None if a.stage == 0 else (0, a.stage - 1, a.micro)
                     cost = forward[a.stage]
                 else:
+                    if (0, a.stage, a.micro) not in done:
+                        raise ValueError(f"schedule {name!r}: rank {r} runs {a} before its "
+                                         f"forward")
                     need = None if a.stage == last else (1, a.stage + 1, a.micro)
                     cost = backward[a.stage]
                 if need is not None and need not in done:
