@@ -268,7 +268,8 @@ def overheads(times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any
 
 def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any]:
     """Predicted against measured failure-free step time for every ResPipe run of the grid."""
-    from mpipipe.core.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, load_config
+    from mpipipe.core.config import load_config
+    from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
     cfg = load_config(str(ROOT / "jobs" / "configs" / "respipe-digits.toml"),
                       [f'data.path="{bench.work / "digits"}"'], PIPELINE_DEFAULTS, PIPELINE_CHOICES)

@@ -1,4 +1,4 @@
-"""Pipeline throughput: single process vs mpipipe (GPipe, 1F1B) vs torch.distributed.pipelining.
+"""Pipeline throughput: single process vs mpipipe (GPipe, 1F1B, interleaved 1F1B) vs torch.distributed.pipelining.
 
     python bench/pipeline.py            # a table
     python bench/pipeline.py --json     # one JSON line
@@ -13,6 +13,11 @@ as ratios, because the machine is shared and noisy:
   pipeline's honest speed-up: not "a second core")
 - vs_torch_pipelining: best mpipipe schedule / best torch.distributed.pipelining schedule
   (gloo backend, same model, cut, mini-batch and micro-batches)
+- speedup_interleaved_vs_single: mpipipe interleaved 1F1B (v = 2 chunks per rank, the
+  model cut in 2K chunks by time: the cut whose simulated step is shortest) /
+  single-process training on one thread
+- interleaved_vs_torch: mpipipe interleaved 1F1B / torch's ScheduleInterleaved1F1B on the
+  same 2K chunks
 - transport_vs_raw: mpipipe Transport / raw mpi4py Send/Recv, 1 MB ping-pong
 
 The parallel parts run under `mpirun -n 2` (this script started again with --worker).
@@ -33,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from mpipipe.core.launch import run_mpi  # noqa: E402
 
 K = 2  # stages (one rank each) for every parallel figure
+V = 2  # chunks per rank of the interleaved schedule
 
 
 def _gloo_env() -> dict[str, str]:
@@ -54,10 +60,10 @@ def _model_and_batch(args: argparse.Namespace):
     return model, x, y, in_shape
 
 
-def _balance(args: argparse.Namespace, model, x) -> list[int]:
+def _balance(args: argparse.Namespace, model, x, v: int = 1) -> list[int]:
     from mpipipe.pipeline.partition import balance_by_time
 
-    return balance_by_time(model, x[: args.batch // args.chunks], K)
+    return balance_by_time(model, x[: args.batch // args.chunks], K, v=v, m=args.chunks)
 
 
 def _timed(step, warmup: int, steps: int, sync=lambda: None) -> float:
@@ -97,7 +103,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     from mpipipe import Pipeline
     from mpipipe.core.transport import ACT, Transport
@@ -109,6 +120,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=size)
     model, x, y, in_shape = _model_and_batch(args)
     balance = world.bcast(_balance(args, model, x) if rank == 0 else None, root=0)
+    interleaved = world.bcast(_balance(args, model, x, V) if rank == 0 else None, root=0)
     loss_fn = torch.nn.CrossEntropyLoss()
     sps: dict[str, list[float]] = {}
 
@@ -133,8 +145,8 @@ def worker(args: argparse.Namespace) -> None:
 
     # mpipipe, one pipeline per schedule on its own communicator
     ours = {}
-    for schedule in ("gpipe", "1f1b"):
-        pipe = Pipeline(copy.deepcopy(model), balance, args.chunks, schedule, world.Dup(),
+    for schedule, cut in (("gpipe", balance), ("1f1b", balance), ("interleaved-1f1b", interleaved)):
+        pipe = Pipeline(copy.deepcopy(model), cut, args.chunks, schedule, world.Dup(),
                         in_shape=in_shape)
         ours[schedule] = (pipe, torch.optim.SGD(pipe.parameters(), lr=0.01, momentum=0.9))
 
@@ -150,6 +162,14 @@ def worker(args: argparse.Namespace) -> None:
         stage = PipelineStage(part, rank, size, torch.device("cpu"))
         peer[schedule] = (cls(stage, args.chunks, loss_fn=loss_fn),
                           torch.optim.SGD(part.parameters(), lr=0.01, momentum=0.9))
+    # torch's interleaved 1F1B on the same 2K chunks: rank r holds chunks r and r + K
+    chunks = split(copy.deepcopy(model), interleaved)
+    mine = [chunks[c] for c in range(rank, V * K, K)]
+    stages = [PipelineStage(part, c, V * K, torch.device("cpu"))
+              for c, part in zip(range(rank, V * K, K), mine, strict=True)]
+    peer["interleaved-1f1b"] = (
+        ScheduleInterleaved1F1B(stages, args.chunks, loss_fn=loss_fn),
+        torch.optim.SGD([p for part in mine for p in part.parameters()], lr=0.01, momentum=0.9))
 
     def peer_step(schedule: str) -> None:
         sched, opt = peer[schedule]
@@ -197,7 +217,7 @@ def worker(args: argparse.Namespace) -> None:
             _idle_until(world, lambda h=holder, n=threads: h.append(single_on(n)))
             if rank == 0:
                 record(name, holder[0])
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
             world.Barrier()
             record(f"ours_{schedule}", _timed(lambda s=schedule: our_step(s), 1, args.steps,
                                               world.Barrier))
@@ -215,6 +235,7 @@ def worker(args: argparse.Namespace) -> None:
         best["raw_s"] = min(link_s["raw"])
         best["transport_s"] = min(link_s["transport"])
         best["balance"] = balance
+        best["interleaved"] = interleaved
         best["cpus"] = len(os.sched_getaffinity(0))  # the cores rank 0 (2 threads) may use
         print(json.dumps(best), flush=True)
     dist.destroy_process_group()
@@ -263,11 +284,15 @@ def main() -> int:
         "single_2threads_sps": round(r["single_2threads"], 1),
         "gpipe_sps": round(r["ours_gpipe"], 1),
         "onef1b_sps": round(r["ours_1f1b"], 1),
+        "interleaved_sps": round(r["ours_interleaved-1f1b"], 1),
         "torch_pipelining_sps": round(best_peer, 1),
+        "torch_interleaved_sps": round(r["torch_interleaved-1f1b"], 1),
         "speedup_vs_single": round(best_ours / r["single"], 3),
         "speedup_vs_single_2threads": round(best_ours / r["single_2threads"], 3),
         "speedup_vs_best_single": round(best_ours / best_single, 3),
         "vs_torch_pipelining": round(best_ours / best_peer, 3),
+        "speedup_interleaved_vs_single": round(r["ours_interleaved-1f1b"] / r["single"], 3),
+        "interleaved_vs_torch": round(r["ours_interleaved-1f1b"] / r["torch_interleaved-1f1b"], 3),
         "transport_vs_raw": round(r["raw_s"] / r["transport_s"], 3),
         "cpus_rank0": r["cpus"],
     }
@@ -275,7 +300,8 @@ def main() -> int:
         print(json.dumps(figures))
         return 0
     print(f"model {args.model} (3x32x32), mini-batch {args.batch}, {args.chunks} micro-batches, "
-          f"K={K}, balance {r['balance']}, one thread per rank (the single process also on 2), "
+          f"K={K}, balance {r['balance']} (interleaved, v={V}: {r['interleaved']}), "
+          f"one thread per rank (the single process also on 2), "
           f"fastest step of {args.rounds} rounds")
     if r["cpus"] < 2:
         print(f"  note: rank 0 could use {r['cpus']} core: the 2-thread baseline had no second core")
@@ -283,14 +309,17 @@ def main() -> int:
             ("single process, 2 threads", r["single_2threads"]),
             ("mpipipe gpipe", r["ours_gpipe"]),
             ("mpipipe 1f1b", r["ours_1f1b"]),
+            ("mpipipe interleaved-1f1b", r["ours_interleaved-1f1b"]),
             ("torch.distributed.pipelining gpipe (gloo)", r["torch_gpipe"]),
-            ("torch.distributed.pipelining 1f1b (gloo)", r["torch_1f1b"])]
+            ("torch.distributed.pipelining 1f1b (gloo)", r["torch_1f1b"]),
+            ("torch.distributed.pipelining interleaved 1f1b", r["torch_interleaved-1f1b"])]
     for name, value in rows:
         print(f"  {name:<44} {value:9.1f} samples/s")
     print(f"  1 MB ping-pong round trip: raw mpi4py {r['raw_s'] * 1e6:.0f} us, "
           f"Transport {r['transport_s'] * 1e6:.0f} us")
     for key in ("speedup_vs_single", "speedup_vs_single_2threads", "speedup_vs_best_single",
-                "vs_torch_pipelining", "transport_vs_raw"):
+                "vs_torch_pipelining", "speedup_interleaved_vs_single", "interleaved_vs_torch",
+                "transport_vs_raw"):
         print(f"  {key:<44} {figures[key]:9.3f}")
     return 0
 

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _print_defaults(args: argparse.Namespace) -> int:
-    from mpipipe.core.config import PIPELINE_DEFAULTS, dump_toml
+    from mpipipe.core.config import dump_toml
+    from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 
     print(dump_toml(PIPELINE_DEFAULTS), end="")
     return 0

@@ -6,8 +6,9 @@ import argparse
 from typing import Any
 
 from mpipipe.core.cli import add_train_arguments, planned_steps, start_run
-from mpipipe.core.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from mpipipe.core.roles import pipeline_plan
+from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
+from mpipipe.pipeline.schedule import SCHEDULES
 
 __all__ = ["add_parser", "main"]
 
@@ -20,8 +21,10 @@ configuration sections (see docs/configuration.md and jobs/configs/):
               batch_size
   [model]     name (lenet | vgg | resnet), num_classes
   [optim]     name (sgd | adam), lr, schedule (constant | cosine), momentum, weight_decay
-  [pipeline]  stages (K, one rank each), balance (layers per stage, [] = automatic),
-              balance_by (time | params), chunks (micro-batches), schedule (gpipe | 1f1b)
+  [pipeline]  stages (K, one rank each), balance (layers per stage, v x K entries for
+              interleaved-1f1b; [] = automatic),
+              balance_by (time | params), chunks (micro-batches),
+              schedule ({schedules}; see docs/pipeline.md)
   [plan]      explicit launch plan, e.g. "stage 0" = 0
   [resilience] backups, deadline_s, ... (ResPipe; see docs/respipe.md)
 
@@ -37,7 +40,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "train", help="train a CNN cut into pipeline stages (one MPI rank per stage)",
         description="Train a CNN cut into K pipeline stages, one MPI rank per stage, with "
                     "micro-batch pipelining (GPipe or 1F1B). Launch with mpirun -n K.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG.format(schedules=" | ".join(SCHEDULES)), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(parser)
     parser.set_defaults(func=main)
     return parser

@@ -8,9 +8,10 @@ import h5py
 import numpy as np
 import pytest
 
-from mpipipe.core.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, ConfigError, load_config
+from mpipipe.core.config import ConfigError, load_config
 from mpipipe.core.roles import LaunchPlan, PlanError, Role, check_world_size, pipeline_plan
 from mpipipe.core.runlog import LogError, RunLog, open_log
+from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
 
 def write(tmp_path, text, name="c.toml"):
@@ -21,7 +22,7 @@ def write(tmp_path, text, name="c.toml"):
 
 def test_defaults_file_and_overrides_merge(tmp_path):
     p = write(tmp_path, "[pipeline]\nstages = 2\nchunks = 8\n[optim]\nlr = 1\n")
-    cfg = load_config(p, ["pipeline.schedule=gpipe", "run.steps=7", "resilience.backups.1=1"])
+    cfg = load_config(p, ["pipeline.schedule=gpipe", "run.steps=7", "resilience.backups.1=1"], PIPELINE_DEFAULTS)
     assert cfg["pipeline"] == {**PIPELINE_DEFAULTS["pipeline"], "stages": 2, "chunks": 8, "schedule": "gpipe"}
     assert cfg["optim"]["lr"] == 1.0 and isinstance(cfg["optim"]["lr"], float)
     assert cfg["run"]["steps"] == 7
@@ -39,7 +40,7 @@ def test_defaults_file_and_overrides_merge(tmp_path):
     ("[pipeline\n", [], "is not valid TOML"),
     ("", ["pipeline.stages"], "expected section.key=value"),
     ("", ["stages=3"], "must look like section.key"),
-    ("", ["pipeline.schedule=zigzag"], "choose one of gpipe, 1f1b"),
+    ("", ["pipeline.schedule=zigzag"], "choose one of gpipe, 1f1b, interleaved-1f1b"),
     ("", ["optim.schedule=step"], "choose one of constant, cosine"),
     ("", ["run.nope=1"], "unknown key 'run.nope'"),
 ])
@@ -72,17 +73,17 @@ def test_unknown_names_suggest_the_nearest_known_one(tmp_path, text, overrides, 
 @pytest.mark.parametrize("name", ["run.nope", "zzz.q", "data.xyzzy"])
 def test_nothing_is_suggested_when_nothing_is_near(name):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [f"{name}=1"])
+        load_config(None, [f"{name}=1"], PIPELINE_DEFAULTS)
     assert "did you mean" not in str(err.value) and "unknown" in str(err.value)
 
 
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        load_config(tmp_path / "nope.toml")
+        load_config(tmp_path / "nope.toml", (), PIPELINE_DEFAULTS)
 
 
 def cfg_with(**sections):
-    cfg = load_config(None)
+    cfg = load_config(None, (), PIPELINE_DEFAULTS)
     for section, values in sections.items():
         cfg[section].update(values)
     return cfg
@@ -94,9 +95,10 @@ def test_automatic_pipeline_plan_places_backups_after_stages():
     assert [str(r) for r in plan.roles] == ["stage 0", "stage 1", "stage 2", "backup 1", "backup 2"]
     assert plan.ranks_of("backup", 2) == [4]
     assert pipeline_plan(cfg_with(resilience={"backups": "all"}), 6).ranks_of("backup") == [3, 4, 5]
-    assert pipeline_plan(load_config(None, ["resilience.backups=all"]), 6).ranks_of("backup") == [3, 4, 5]
+    every = load_config(None, ["resilience.backups=all"], PIPELINE_DEFAULTS)
+    assert pipeline_plan(every, 6).ranks_of("backup") == [3, 4, 5]
     with pytest.raises(PlanError, match='a table like'):
-        pipeline_plan(load_config(None, ["resilience.backups=some"]), 6)
+        pipeline_plan(load_config(None, ["resilience.backups=some"], PIPELINE_DEFAULTS), 6)
 
 
 @pytest.mark.parametrize("sections,world,message", [
@@ -343,9 +345,9 @@ def test_dump_toml_round_trips_the_defaults(tmp_path):
     from mpipipe.core.config import dump_toml
 
     p = write(tmp_path, dump_toml(PIPELINE_DEFAULTS))
-    assert load_config(p) == load_config(None)
-    cfg = load_config(None, ["plan.stage 0=0", "resilience.backups.1=2"])
-    assert load_config(write(tmp_path, dump_toml(cfg), "d.toml")) == cfg
+    assert load_config(p, (), PIPELINE_DEFAULTS) == load_config(None, (), PIPELINE_DEFAULTS)
+    cfg = load_config(None, ["plan.stage 0=0", "resilience.backups.1=2"], PIPELINE_DEFAULTS)
+    assert load_config(write(tmp_path, dump_toml(cfg), "d.toml"), (), PIPELINE_DEFAULTS) == cfg
 
 
 def test_cosine_rate_follows_torch_cosine_annealing():

@@ -12,35 +12,133 @@ from hypothesis import strategies as st
 from mpipipe.core import checkpoint
 from mpipipe.core.models import build_model
 from mpipipe.core.transport import make_tag, split_tag
+from mpipipe.pipeline.config import PIPELINE_CHOICES
 from mpipipe.pipeline.partition import balance_by_params, balance_by_time, balance_costs, split
-from mpipipe.pipeline.schedule import actions, gpipe, onef1b
+from mpipipe.pipeline.schedule import (
+    REGISTRY,
+    SCHEDULES,
+    Action,
+    Op,
+    Schedule,
+    actions,
+    gpipe,
+    makespan,
+    onef1b,
+    virtual_stages,
+)
+
+F, B = Op.FORWARD, Op.BACKWARD
+
+
+def _simulate(name: str, k: int, v: int, m: int) -> None:
+    """Run every rank's action list against the others with sends that never block (as
+    the transport's Isend) and receives that do (schedule.makespan raises on a deadlock
+    or a backward before its forward); each rank runs its own chunks only."""
+    for r in range(k):
+        assert all(a.stage % k == r for a in actions(name, r, k, m, v)), f"{name}: rank {r}"
+    ones = [1.0] * (v * k)
+    assert makespan(name, k, v, m, ones, ones) >= 2 * v * m
 
 
 @given(k=st.integers(1, 6), m=st.integers(1, 12), name=st.sampled_from(["gpipe", "1f1b"]))
 def test_every_micro_batch_runs_forward_then_backward_once(k, m, name):
     for stage in range(k):
         acts = actions(name, stage, k, m)
-        assert sorted(acts) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert sorted((a.op, a.micro) for a in acts) == sorted(
+            [(F, i) for i in range(m)] + [(B, i) for i in range(m)])
+        assert {a.stage for a in acts} == {stage}
         for i in range(m):
-            assert acts.index(("F", i)) < acts.index(("B", i))
+            assert acts.index(Action(F, i, stage)) < acts.index(Action(B, i, stage))
         # backwards run in micro-batch order on every stage, so gradients meet in order
-        assert [i for op, i in acts if op == "B"] == list(range(m))
+        assert [a.micro for a in acts if a.op == B] == list(range(m))
+    _simulate(name, k, 1, m)
+
+
+@given(k=st.integers(1, 5), v=st.integers(2, 4), rounds=st.integers(1, 4))
+def test_interleaved_runs_every_chunk_of_every_micro_batch_without_deadlock(k, v, rounds):
+    m = rounds * k
+    for rank in range(k):
+        acts = actions("interleaved-1f1b", rank, k, m, v)
+        chunks = range(rank, v * k, k)
+        assert sorted((a.op, a.stage, a.micro) for a in acts) == sorted(
+            (op, c, i) for op in (F, B) for c in chunks for i in range(m))
+    _simulate("interleaved-1f1b", k, v, m)
+
+
+def test_interleaved_order_and_its_checks():
+    # K = 2, v = 2, m = 4: rank 0 warms up with (v-1)K + 2(K-1) = 4 forwards, in rounds of K
+    assert [str(a) for a in actions("interleaved-1f1b", 0, 2, 4, 2)][:6] == [
+        "F0@0", "F1@0", "F0@2", "F1@2", "F2@0", "B0@2"]
+    assert str(actions("interleaved-1f1b", 1, 2, 4, 2)[3]) == "B0@3"
+    with pytest.raises(ValueError, match="multiple of the 2 ranks"):
+        actions("interleaved-1f1b", 0, 2, 3, 2)
+    assert virtual_stages("interleaved-1f1b", 6, 3) == 2
+    assert virtual_stages("1f1b", 3, 3) == 1
+    with pytest.raises(ValueError, match="v >= 2 chunks per rank"):
+        virtual_stages("interleaved-1f1b", 3, 3)
+    with pytest.raises(ValueError, match="v >= 2 chunks per rank"):
+        virtual_stages("interleaved-1f1b", 5, 2)
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        virtual_stages("gpipe", 4, 2)
 
 
 @given(k=st.integers(1, 6), m=st.integers(1, 12))
 def test_1f1b_keeps_at_most_k_minus_stage_micro_batches_in_flight(k, m):
     for stage in range(k):
         in_flight = peak = 0
-        for op, _ in onef1b(stage, k, m):
-            in_flight += 1 if op == "F" else -1
+        for a in onef1b(stage, k, 1, m):
+            in_flight += 1 if a.op == F else -1
             peak = max(peak, in_flight)
         assert peak <= min(k - stage, m)
-    assert gpipe(m)[:m] == [("F", i) for i in range(m)]
+    assert gpipe(0, 1, 1, m)[:m] == [Action(F, i, 0) for i in range(m)]
+
+
+@pytest.mark.parametrize("k,m", [(2, 4), (3, 6), (4, 8)])
+def test_makespan_shows_the_bubble_each_schedule_promises(k, m):
+    # K stages of one unit of work per micro-batch (forward 1, backward 2): (m + K - 1) x 3
+    for name in ("gpipe", "1f1b"):
+        assert makespan(name, k, 1, m, [1.0] * k, [2.0] * k) == (m + k - 1) * 3
+    # the same work in 2 chunks per rank: the bubble shrinks, the work stays m x 3
+    inter = makespan("interleaved-1f1b", k, 2, m, [0.5] * 2 * k, [1.0] * 2 * k)
+    assert m * 3 < inter < (m + k - 1) * 3
+
+
+def test_interleaved_balance_is_no_slower_than_the_smallest_largest_chunk():
+    from mpipipe.pipeline.partition import balance_interleaved
+
+    costs = [1.6, 0.5, 6.7, 0.4, 1.4, 2.6, 0.2, 4.7, 0.2, 0.7, 2.5, 0.1, 4.3, 0.1, 0.4, 0.1, 1.2]
+
+    def step(b):
+        bounds = list(itertools.accumulate(b, initial=0))
+        chunk = [sum(costs[bounds[i]:bounds[i + 1]]) for i in range(len(b))]
+        return makespan("interleaved-1f1b", 2, 2, 8, [c / 3 for c in chunk], [2 * c / 3 for c in chunk])
+
+    cut = balance_interleaved(costs, 2, 2, 8)
+    assert len(cut) == 4 and sum(cut) == len(costs) and min(cut) >= 1
+    assert step(cut) <= step(balance_costs(costs, 4))
+    with pytest.raises(ValueError, match="cannot cut 3 layers into 4"):
+        balance_interleaved([1, 1, 1], 2, 2, 4)
+
+
+def test_a_builder_that_runs_a_backward_before_its_forward_is_caught(monkeypatch):
+    def backwards_first(rank, k, v, m):
+        return [a for a in gpipe(rank, k, v, m) if a.op == B] + \
+            [a for a in gpipe(rank, k, v, m) if a.op == F]
+
+    monkeypatch.setitem(REGISTRY, "wrong", Schedule("wrong", backwards_first, "for a test"))
+    with pytest.raises(ValueError, match="before its forward"):
+        makespan("wrong", 2, 1, 2, [1.0] * 2, [1.0] * 2)
 
 
 def test_unknown_schedule_is_named():
-    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'; choose one of gpipe, 1f1b, "
+                                         "interleaved-1f1b"):
         actions("zigzag", 0, 2, 4)
+
+
+def test_the_config_choices_are_the_registry():
+    assert PIPELINE_CHOICES["pipeline.schedule"] == tuple(REGISTRY) == SCHEDULES
+    assert all(s.description for s in REGISTRY.values())
 
 
 @settings(max_examples=60)
@@ -135,9 +233,10 @@ def test_run_epochs_count_the_batches_the_reader_hands_out(digits, drop_last):
     of 32 and a remainder of 30, which is a step only when padded)."""
     from mpipipe.core import data
     from mpipipe.core.config import load_config
+    from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 
     sets = [f'data.path="{digits}"', "data.batch_size=32", f"data.drop_last={str(drop_last).lower()}"]
-    cfg = load_config(None, [*sets, "run.steps=0", "run.epochs=2"])
+    cfg = load_config(None, [*sets, "run.steps=0", "run.epochs=2"], PIPELINE_DEFAULTS)
     steps = data.run_steps(cfg)
     assert steps == (88 if drop_last else 90)
     reader = data.TrainBatches(digits, 32, seed=0, drop_last=drop_last)
@@ -148,6 +247,6 @@ def test_run_epochs_count_the_batches_the_reader_hands_out(digits, drop_last):
         handed += 1
     assert handed == steps
     # run.steps wins over epochs; too small a data set is the usual one-line DataError
-    assert data.run_steps(load_config(None, [*sets, "run.steps=7", "run.epochs=2"])) == 7
+    assert data.run_steps(load_config(None, [*sets, "run.steps=7", "run.epochs=2"], PIPELINE_DEFAULTS)) == 7
     with pytest.raises(data.DataError, match="fewer than one batch of 5000"):
-        data.run_steps(load_config(None, [f'data.path="{digits}"', "data.batch_size=5000"]))
+        data.run_steps(load_config(None, [f'data.path="{digits}"', "data.batch_size=5000"], PIPELINE_DEFAULTS))

@@ -47,7 +47,7 @@ BAD = [
     # (ranks, extra arguments or config text, words the one error line must contain)
     (2, [], "needs 3 ranks"),
     (2, ["--set", "pipeline.chunkz=4"], "unknown key 'pipeline.chunkz'"),
-    (2, ["--set", "pipeline.schedule=zigzag"], "choose one of gpipe, 1f1b"),
+    (2, ["--set", "pipeline.schedule=zigzag"], "choose one of gpipe, 1f1b, interleaved-1f1b"),
     (2, ["--set", "pipeline.stages=2", "--set", "data.batch_size=2"],
      "smaller than pipeline.chunks"),
     (2, ["--set", "pipeline.stages=2", "--set", "pipeline.balance=[1, 1]"], "covers 2 layers"),
@@ -55,6 +55,12 @@ BAD = [
     (3, "[plan]\n\"stage 0\" = 0\n\"stage 1\" = 0\n\"stage 2\" = 1\n", "rank 0 has two roles"),
     (2, ["--set", "pipeline.stages=2", "--set", 'data.path="/nonexistent/digits"'],
      "has no train/ directory"),
+    (2, ["--set", "pipeline.stages=2", "--set", 'pipeline.schedule="interleaved-1f1b"',
+         "--set", "pipeline.balance=[6, 6]"], "needs v >= 2 chunks per rank"),
+    (2, ["--set", "pipeline.stages=2", "--set", 'pipeline.schedule="interleaved-1f1b"',
+         "--set", "pipeline.chunks=3"], "multiple of the 2 ranks"),
+    (2, ["--set", "pipeline.stages=2", "--set", 'pipeline.schedule="1f1b"',
+         "--set", "pipeline.balance=[3, 3, 3, 3]"], "one chunk per rank"),
 ]
 
 
@@ -137,3 +143,31 @@ def test_epochs_with_a_padded_last_batch_train_and_schedule_every_batch(digits, 
         assert state.step == 90
         lr = state.optimizer["param_groups"][0]["lr"]
         assert lr == pytest.approx(rate_at({"lr": 0.05, "schedule": "cosine"}, 89, 90), rel=1e-9) and lr > 0
+
+
+@pytest.mark.timeout(300)
+def test_interleaved_1f1b_trains_in_the_plain_command_as_1f1b_does(digits, tmp_path):
+    """`schedule = "interleaved-1f1b"` with an automatic balance cuts LeNet into 2K = 4
+    chunks (v = 2); stage k's checkpoint holds chunks k and k + 2, and the run ends with
+    the parameters of the same run under 1F1B (same micro-batches, same maths)."""
+    from mpipipe.core.runlog import open_log
+
+    common = [*_data(digits), "--set", "pipeline.stages=2", "--set", "pipeline.balance_by=params",
+              "--set", "run.steps=12", "--set", "run.eval_every=6", "--set", "pipeline.chunks=4"]
+    ckpt = {}
+    for schedule in ("interleaved-1f1b", "1f1b"):
+        ckpt[schedule] = tmp_path / schedule
+        log = tmp_path / f"{schedule}.h5"
+        result = mpirun(2, *common, "--set", f'pipeline.schedule="{schedule}"',
+                        "--set", f'run.checkpoint_dir="{ckpt[schedule]}"', "--log", str(log),
+                        timeout=140)
+        assert result.returncode == 0, result.stderr[-2000:]
+        run = open_log(log)
+        assert run.steps["step"].tolist() == list(range(1, 13))
+        assert len(run.eval["accuracy"]) == 2
+    balance = torch.load(ckpt["interleaved-1f1b"] / "stage-0.pt", weights_only=True)["balance"]
+    assert len(balance) == 4
+    a, b = _params(ckpt["interleaved-1f1b"], 2), _params(ckpt["1f1b"], 2)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() <= 1e-5, name

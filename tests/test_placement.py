@@ -7,10 +7,11 @@ import pytest
 from mpipipe.core.config import load_config
 from mpipipe.core.placement import check_placement, guards
 from mpipipe.core.roles import PlanError, pipeline_plan
+from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 
 
 def plan_of(*settings: str, world: int):
-    cfg = load_config(None, list(settings))
+    cfg = load_config(None, list(settings), PIPELINE_DEFAULTS)
     return pipeline_plan(cfg, world), cfg["resilience"]
 
 

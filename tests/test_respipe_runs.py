@@ -63,7 +63,9 @@ def _predicted(log_path: Path):
     cfg = run.config
     balance = [int(b) for b in str(run.attrs["balance"]).strip("[]").split(",")]
     model = build_model("lenet", 10, (1, 8, 8))
-    shapes, in_bytes = costmodel.stage_shapes(split(model, balance), (1, 8, 8), "sgd", 0.9)
+    # (interleaved: 6 chunks, stage k holds k and k + 3)
+    shapes, in_bytes = costmodel.stage_shapes(split(model, balance), (1, 8, 8), "sgd", 0.9,
+                                              stages=3)
     res = cfg["resilience"]
     # neighbour mode protects every stage (the next one holds its replica)
     backups = dict.fromkeys(range(3), 1) if res["mode"] == "neighbour" \
@@ -84,8 +86,14 @@ def _per_step(log_path: Path, column: str) -> dict[int, int]:
 
 
 NEIGHBOUR = (NO_BACKUP, 'resilience.mode="neighbour"', "resilience.replicate_every=1")
+# v = 2 chunks per stage: rank k runs chunks k and k + 3 of LeNet's 12 layers
+INTERLEAVED = ('pipeline.schedule="interleaved-1f1b"', "pipeline.balance=[2, 2, 2, 2, 2, 2]",
+               "pipeline.chunks=6")
+PLAIN = ("plain", "interleaved")  # runs of the plain loop (no ULFM, no backups)
 BYTE_RUNS = [
     ("plain", 3, (NO_BACKUP,)),
+    ("interleaved", 3, (NO_BACKUP, *INTERLEAVED)),
+    ("interleaved-cold-r1", 4, (ONE_BACKUP, "resilience.replicate_every=1", *INTERLEAVED)),
     ("cold-r1", 4, (ONE_BACKUP, "resilience.replicate_every=1")),
     ("cold-r10", 4, (ONE_BACKUP, "resilience.replicate_every=10")),
     ("hot-r1", 4, (ONE_BACKUP, "resilience.replicate_every=1", 'resilience.mode="hot"')),
@@ -101,10 +109,10 @@ def test_bytes_of_every_step_equal_the_cost_model_exactly(runs, name, ranks, set
     # control plane (counted apart as ``ctrl_bytes_sent``, bounded in the next test).
     # One label send missing or doubled is 256 bytes of one step: it fails here.
     # (the plain run is plain only without ULFM: with it, ResPipe's loop drives the job)
-    result, log, _ = runs(name, ranks, *settings, ulfm=False) if name == "plain" \
+    result, log, _ = runs(name, ranks, *settings, ulfm=False) if name in PLAIN \
         else runs(name, ranks, *settings)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (_open(log).events_of("cost_model") == []) == (name == "plain")
+    assert (_open(log).events_of("cost_model") == []) == (name in PLAIN)
     cost = _predicted(log)
     measured = _per_step(log, "bytes_sent")
     assert sorted(measured) == list(range(1, STEPS + 1))
@@ -115,7 +123,7 @@ def test_bytes_of_every_step_equal_the_cost_model_exactly(runs, name, ranks, set
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, ranks, settings", [r for r in BYTE_RUNS if r[0] != "plain"])
+@pytest.mark.parametrize("name, ranks, settings", [r for r in BYTE_RUNS if r[0] not in PLAIN])
 def test_control_traffic_left_out_of_the_byte_counts_is_small(runs, name, ranks, settings):
     # ResPipe's control plane (per-step figures to the log writer, end-of-run notes) is
     # counted by each rank as ctrl_bytes_sent: one 9-float64 figure row per step from
@@ -167,6 +175,40 @@ def test_kill_with_backup_runs_to_the_end_and_equals_the_failure_free_run(runs):
     for got, want in zip(_params(ckpt), _params(clean_ckpt), strict=True):
         for key in want:
             assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
+
+
+@pytest.mark.timeout(600)
+def test_interleaved_under_cold_respipe_equals_plain_and_survives_a_kill(runs):
+    # A stage is a rank and all its chunks: its replica carries chunks k and k + 3, and
+    # the backup that takes over runs both. Failure-free, ResPipe ends with the plain
+    # interleaved run's parameters; killed at step 7 with R = 1, with the same again.
+    plain, _, plain_ckpt = runs("interleaved", 3, NO_BACKUP, *INTERLEAVED, ulfm=False)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    clean, _, clean_ckpt = runs("interleaved-cold-r1", 4, ONE_BACKUP,
+                                "resilience.replicate_every=1", *INTERLEAVED)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    result, log, ckpt = runs("interleaved-kill", 4, ONE_BACKUP, "resilience.replicate_every=1",
+                             *INTERLEAVED, "inject:kill:stage=1:step=7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = _open(log)
+    assert run.events_of("takeover")[0]["detail"]["stage"] == 1
+    assert list(run.steps["step"]) == list(range(1, STEPS + 1))
+    assert run.steps["samples"].sum() == STEPS * BATCH
+    for other in (plain_ckpt, ckpt):
+        for got, want in zip(_params(other), _params(clean_ckpt), strict=True):
+            assert sorted(got) == sorted(want)
+            for key in want:
+                assert (got[key] - want[key]).abs().max().item() <= 1e-5, (other.name, key)
+
+
+@pytest.mark.timeout(600)
+def test_hot_and_neighbour_modes_refuse_interleaved_in_one_line(runs):
+    for mode, ranks, backups in (("hot", 4, ONE_BACKUP), ("neighbour", 3, NO_BACKUP)):
+        result, _, _ = runs(f"interleaved-{mode}", ranks, backups, f'resilience.mode="{mode}"',
+                            *INTERLEAVED, timeout=120)
+        assert result.returncode != 0
+        assert f'resilience.mode = "{mode}" runs one chunk per rank' in result.stderr, \
+            result.stderr[-2000:]
 
 
 @pytest.mark.timeout(600)

@@ -343,7 +343,7 @@ def test_faults_that_can_fire_pass_the_check() -> None:
 
 def test_what_a_rank_holds_decides_what_it_is_sent_again() -> None:
     from mpipipe.core.transport import ACT, EVAL, GRAD, LABEL, SHADOW
-    from mpipipe.pipeline.engine import SHADOW_GRAD_MICRO, Have, _has
+    from mpipipe.respipe.mirror import SHADOW_GRAD_MICRO, Have, _has
 
     h = Have(step=7, inputs=0b0101, grads=0b0010, labels=True)
     assert Have.decode(h.encode()) == h

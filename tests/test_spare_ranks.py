@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.core.config import PIPELINE_DEFAULTS, load_config
+from mpipipe.core.config import load_config
 from mpipipe.core.launch import ROOT, run_mpi
 from mpipipe.core.roles import PlanError, Role, pipeline_plan
+from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
 CONFIG = ROOT / "jobs" / "configs" / "respipe-digits.toml"

@@ -17,70 +17,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core.lr import SCHEDULES
-
-__all__ = ["ConfigError", "PIPELINE_DEFAULTS", "PIPELINE_CHOICES", "dump_toml", "load_config", "parse_override"]
+__all__ = ["ConfigError", "dump_toml", "load_config", "parse_override"]
 
 
 class ConfigError(ValueError):
     """A configuration file or override is wrong; the message names the key."""
-
-
-PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "run": {
-        "seed": 0,  # seeds torch, the sampler and fault injection
-        "steps": 300,  # optimizer steps to train (0: use epochs)
-        "epochs": 0,  # if > 0 and steps == 0: train this many epochs (batches counted with data.drop_last)
-        "eval_every": 50,  # evaluate on the test split every N steps (0: only at the end)
-        "log_every": 10,  # plain progress line every N steps when not on a terminal
-        "checkpoint_every": 0,  # save every N steps (0: never)
-        "checkpoint_dir": "",  # where checkpoints go (default: beside the log)
-        "threads": 1,  # torch compute threads per rank
-    },
-    "data": {
-        "path": "data/digits",  # directory with train/ and test/ shard data sets
-        "batch_size": 64,  # mini-batch size (samples per optimizer step)
-        "shuffle": True,  # reshuffle the train split every epoch (seeded)
-        "drop_last": True,  # drop a last short batch (false: pad it by repeating records)
-    },
-    "model": {
-        "name": "lenet",  # lenet | vgg | resnet
-        "num_classes": 10,  # output classes of the model
-    },
-    "optim": {
-        "name": "sgd",  # sgd | adam
-        "lr": 0.05,  # learning rate (at the first step)
-        "schedule": "constant",  # constant | cosine (towards 0 over the run's steps)
-        "momentum": 0.9,  # SGD momentum
-        "weight_decay": 0.0,  # L2 penalty
-    },
-    "pipeline": {
-        "stages": 3,  # K: number of pipeline stages (one rank each)
-        "balance": [],  # layers per stage; [] = automatic
-        "balance_by": "time",  # time | params (automatic balancing)
-        "chunks": 4,  # m: micro-batches per mini-batch
-        "schedule": "1f1b",  # gpipe | 1f1b
-    },
-    "plan": {},  # explicit launch plan: role name -> rank, e.g. "stage 0" = 0
-    "resilience": {
-        "backups": {},  # stage -> number of backup ranks, e.g. {1 = 1}; "all": one per stage
-        "replicate_every": 1,  # R: refresh replicas every R steps
-        "mode": "cold",  # cold | hot | neighbour
-        "deadline_s": 30.0,  # a wait longer than this marks the sender late
-        "deadline_factor": 0.0,  # if > 0: deadline = factor x running median of that wait
-        "allow_same_node": False,  # true: a backup may share its stage's node (multi-node worlds)
-        "inject": [],  # fault specs, as with --inject
-    },
-}
-
-PIPELINE_CHOICES: dict[str, tuple[str, ...]] = {
-    "model.name": ("lenet", "vgg", "resnet"),
-    "optim.name": ("sgd", "adam"),
-    "optim.schedule": SCHEDULES,
-    "pipeline.balance_by": ("time", "params"),
-    "pipeline.schedule": ("gpipe", "1f1b"),
-    "resilience.mode": ("cold", "hot", "neighbour"),
-}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -202,15 +143,21 @@ def _check_choices(cfg: Mapping, choices: Mapping[str, tuple[str, ...]]) -> None
 def load_config(
     path: str | Path | None,
     overrides: Iterable[str] = (),
-    defaults: Mapping[str, Mapping[str, Any]] = PIPELINE_DEFAULTS,
+    defaults: Mapping[str, Mapping[str, Any]] | None = None,
     choices: Mapping[str, tuple[str, ...]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Return the defaults, updated by the TOML file at ``path``, then by each override.
+
+    ``defaults`` is the system's schema (mpipipe.pipeline.config.PIPELINE_DEFAULTS,
+    stannis.config.STANNIS_DEFAULTS): the core knows no system's keys.
 
     Raises:
         ConfigError: the file is missing or not TOML, a key is unknown, a value
             has the wrong type or is not one of the allowed choices.
     """
+    if defaults is None:
+        raise TypeError("load_config needs the system's defaults, e.g. "
+                        "mpipipe.pipeline.config.PIPELINE_DEFAULTS")
     cfg: dict[str, dict[str, Any]] = copy.deepcopy({k: dict(v) for k, v in defaults.items()})
     if path is not None:
         p = Path(path)

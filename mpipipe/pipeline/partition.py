@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["split", "check_balance", "balance_by_time", "balance_by_params",
-           "balance_costs", "layer_times"]
+__all__ = ["split", "stage_modules", "StageChunks", "check_balance", "balance_interleaved",
+           "balance_by_time", "balance_by_params", "balance_costs", "layer_times"]
 
 
 def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
@@ -42,6 +42,71 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
         stages.append(nn.Sequential(OrderedDict(names[start:start + count])))
         start += count
     return stages
+
+
+class StageChunks(nn.Sequential):
+    """The module of a stage that holds several model chunks (interleaved schedules).
+
+    Why: a stage is what ResPipe replicates, checkpoints and hands over, so it needs one
+    module whose parameters and state_dict are those of all its chunks (layer names are
+    the model's). Its layers are not consecutive in the model, so it cannot be called:
+    `chunks` are the runnable pieces, in model order.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Sequential]) -> None:
+        super().__init__(OrderedDict(item for c in chunks for item in c._modules.items()))
+        self.chunks = list(chunks)  # a plain list: not registered twice as submodules
+
+    def forward(self, *args: object) -> torch.Tensor:
+        raise TypeError(f"this stage holds {len(self.chunks)} chunks that are not consecutive "
+                        f"in the model: run each of .chunks where the schedule says")
+
+
+def stage_modules(chunks: Sequence[nn.Sequential], k: int) -> list[nn.Sequential]:
+    """Each of `k` stages' module: chunk k itself (one chunk per stage), or a
+    :class:`StageChunks` of chunks k, k + K, k + 2K, ... (v = len(chunks) / k per stage)."""
+    if len(chunks) % k:
+        raise ValueError(f"{len(chunks)} chunks do not divide over {k} stages")
+    if len(chunks) == k:
+        return list(chunks)
+    return [StageChunks(chunks[s::k]) for s in range(k)]
+
+
+# At most this many cuts are compared by their simulated step (interleaved balancing).
+MAX_CUTS_SIMULATED = 20_000
+
+
+def balance_interleaved(costs: Sequence[float], k: int, v: int, m: int,
+                        schedule: str = "interleaved-1f1b") -> list[int]:
+    """Cut per-layer costs into v x K chunks for a schedule of v chunks per rank.
+
+    Why not :func:`balance_costs`: rank r runs chunks r, r + K, ..., so what sets the
+    pace is what each rank does in all, and when. Every cut is compared by the step it
+    makes (:func:`mpipipe.pipeline.schedule.makespan`, a forward taking a third of a
+    layer's cost and a backward two thirds, messages free) when there are at most
+    MAX_CUTS_SIMULATED cuts; otherwise the smallest largest chunk is taken.
+    """
+    from itertools import accumulate, combinations
+    from math import comb
+
+    from mpipipe.pipeline.schedule import makespan
+
+    n, parts = len(costs), v * k
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot cut {n} layers into {parts} non-empty chunks")
+    if comb(n - 1, parts - 1) > MAX_CUTS_SIMULATED:
+        return balance_costs(costs, parts)
+    prefix = list(accumulate((max(float(c), 0.0) for c in costs), initial=0.0))
+    best: tuple[float, float] | None = None
+    chosen: list[int] = []
+    for cuts in combinations(range(1, n), parts - 1):
+        bounds = (0, *cuts, n)
+        chunk = [prefix[bounds[i + 1]] - prefix[bounds[i]] for i in range(parts)]
+        key = (makespan(schedule, k, v, m, [c / 3 for c in chunk], [2 * c / 3 for c in chunk]),
+               max(chunk))
+        if best is None or key < best:
+            best, chosen = key, [bounds[i + 1] - bounds[i] for i in range(parts)]
+    return chosen
 
 
 def balance_costs(costs: Sequence[float], k: int) -> list[int]:
@@ -77,10 +142,12 @@ def balance_costs(costs: Sequence[float], k: int) -> list[int]:
     return bounds[::-1]
 
 
-def balance_by_params(module: nn.Sequential, k: int) -> list[int]:
-    """Balance by parameter count (plus one per layer so parameter-free layers count a little)."""
+def balance_by_params(module: nn.Sequential, k: int, v: int = 1, m: int = 1) -> list[int]:
+    """Balance by parameter count (plus one per layer so parameter-free layers count a little).
+
+    With v > 1 chunks per rank (interleaved), v x K chunks for m micro-batches."""
     costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in module]
-    return balance_costs(costs, k)
+    return balance_costs(costs, k) if v == 1 else balance_interleaved(costs, k, v, m)
 
 
 def layer_times(module: nn.Sequential, sample: torch.Tensor, repeat: int = 5) -> list[float]:
@@ -111,6 +178,9 @@ def layer_times(module: nn.Sequential, sample: torch.Tensor, repeat: int = 5) ->
 
 
 def balance_by_time(module: nn.Sequential, sample: torch.Tensor, k: int,
-                    repeat: int = 5) -> list[int]:
-    """Balance by measured per-layer forward+backward time on `sample`."""
-    return balance_costs(layer_times(module, sample, repeat), k)
+                    repeat: int = 5, v: int = 1, m: int = 1) -> list[int]:
+    """Balance by measured per-layer forward+backward time on `sample`.
+
+    With v > 1 chunks per rank (interleaved), v x K chunks for m micro-batches."""
+    costs = layer_times(module, sample, repeat)
+    return balance_costs(costs, k) if v == 1 else balance_interleaved(costs, k, v, m)

@@ -73,9 +73,19 @@ def agree(run: Run, error: str | None) -> None:
 
 def _static_checks(cfg: dict) -> str | None:
     """Checks every rank reaches the same verdict on without talking to the others."""
+    from mpipipe.pipeline.config import chunks_per_stage
+    from mpipipe.pipeline.schedule import check_virtual
+
     p, d = cfg["pipeline"], cfg["data"]
     if p["chunks"] < 1:
         return f"pipeline.chunks = {p['chunks']}: need at least one micro-batch"
+    if p["stages"] < 1:
+        return f"pipeline.stages = {p['stages']}: need at least one stage"
+    try:
+        v = chunks_per_stage(cfg)
+        check_virtual(p["schedule"], p["stages"], v, p["chunks"])
+    except ValueError as e:
+        return f"pipeline.schedule = {p['schedule']!r}: {e}"
     if d["batch_size"] < p["chunks"]:
         return (f"data.batch_size = {d['batch_size']} is smaller than pipeline.chunks = "
                 f"{p['chunks']}: every micro-batch needs at least one sample")
@@ -84,24 +94,26 @@ def _static_checks(cfg: dict) -> str | None:
     return None
 
 
-def setup(run: Run) -> Setup:
+def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     """Build model, partition, pipeline, optimizer and data on every rank.
 
     Every configuration error stops all ranks with one line: checks that need no
     message are made on every rank, the others are agreed with one allgather.
+    `pipeline_cls`: the engine's Pipeline, or a subclass (ResPipe's hot mirror).
     """
+    error = _static_checks(run.cfg)  # before torch is imported: a wrong config fails fast
+    if error:
+        run.fail(error)
     import torch
     from torch import nn
 
     from mpipipe.core import checkpoint, data
     from mpipipe.core.models import build_model
+    from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.engine import Pipeline, Route
     from mpipipe.pipeline.partition import balance_by_params, balance_by_time, check_balance
 
     cfg, comm = run.cfg, run.comm
-    error = _static_checks(cfg)
-    if error:
-        run.fail(error)
     path = cfg["data"]["path"]
     try:
         in_shape = data.image_shape(path)
@@ -114,6 +126,7 @@ def setup(run: Run) -> Setup:
     if note and run.rank == 0:
         print(f"{run.prog}: note: {note}", file=sys.stderr, flush=True)
     k, m = cfg["pipeline"]["stages"], cfg["pipeline"]["chunks"]
+    v = chunks_per_stage(cfg)  # checked in _static_checks
     run.progress.total = max(total, 1)
 
     torch.manual_seed(cfg["run"]["seed"])
@@ -147,27 +160,27 @@ def setup(run: Run) -> Setup:
             run.fail(f"pipeline.balance = {balance} differs from the checkpoint's {saved}")
         balance = saved
     elif not balance:
-        if k > len(model):
-            run.fail(f"pipeline.stages = {k} but model {cfg['model']['name']} has only "
-                     f"{len(model)} layers")
+        if v * k > len(model):
+            run.fail(f"pipeline.stages = {k}" + (f" with {v} chunks each" if v > 1 else "")
+                     + f" but model {cfg['model']['name']} has only {len(model)} layers")
         if cfg["pipeline"]["balance_by"] == "params":
-            balance = balance_by_params(model, k)
+            balance = balance_by_params(model, k, v, m)
         else:
             # timings differ from rank to rank: one rank measures, all use its answer
             if run.rank == 0:
                 gen = torch.Generator().manual_seed(0)
                 sample = torch.randn(cfg["data"]["batch_size"] // m, *in_shape, generator=gen)
-                balance = balance_by_time(model, sample, k)
+                balance = balance_by_time(model, sample, k, v=v, m=m)
             balance = comm.bcast(balance, root=0)
     try:
         balance = check_balance(model, balance)
-        if len(balance) != k:
+        if len(balance) != v * k:
             raise ValueError(f"pipeline.balance = {balance} has {len(balance)} entries for "
-                             f"pipeline.stages = {k}")
+                             f"pipeline.stages = {k}" + (f" x {v} chunks" if v > 1 else ""))
     except ValueError as e:
         run.fail(f"{e}")
 
-    pipe = Pipeline(model, balance, m, cfg["pipeline"]["schedule"], comm, route,
+    pipe = (pipeline_cls or Pipeline)(model, balance, m, cfg["pipeline"]["schedule"], comm, route,
                     in_shape=in_shape, deadline=cfg["resilience"]["deadline_s"] or None)
     optimizer = make_optimizer(cfg, list(pipe.parameters()))
     setup_ = Setup(run, model, pipe, optimizer, nn.CrossEntropyLoss(), in_shape, total,

@@ -15,7 +15,7 @@ from torch import nn
 from mpipipe.core import ft
 from mpipipe.core.runlog import LogError
 from mpipipe.core.stop import StopRun
-from mpipipe.pipeline.engine import Pipeline
+from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 from mpipipe.respipe.trainer import Demoted, ResPipe, Settings, StageLost
 
 
@@ -108,7 +108,7 @@ def train(run: Any) -> int:
     from mpipipe.core import checkpoint, data, stop
     from mpipipe.pipeline import train as plain
 
-    s = plain.setup(run)
+    s = plain.setup(run, Pipeline)
     cfg, log, progress = run.cfg, run.log, run.progress
     try:
         Settings.from_config(cfg, s.pipe.k, s.pipe.chunks)

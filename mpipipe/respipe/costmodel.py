@@ -5,7 +5,9 @@ counts is a payload the transport sends, so the model adds up payloads.
 
 - Plain pipeline: for every stage boundary, each sample's activation goes
   forward and the gradient of the same shape comes back, so a boundary costs
-  ``2 * batch * act_bytes`` per step (micro-batching splits, not adds). Labels,
+  ``2 * batch * act_bytes`` per step (micro-batching splits, not adds). With an
+  interleaved schedule every boundary between model chunks is one (v x K - 1 of
+  them, rank K-1 sending back to rank 0 between rounds). Labels,
   if the engine sends them from stage 0 to the last stage, add
   ``batch * label_bytes``.
 - Replicas: a backup (or, in neighbour mode, the neighbouring stage) receives
@@ -67,6 +69,12 @@ class StageShape:
     act_out: int
     params: int
     state: int = 0
+    acts: tuple[int, ...] = ()  # several chunks per stage: each chunk's sent activation
+
+    @property
+    def chunk_acts(self) -> tuple[int, ...]:
+        """Bytes per sample each of its chunks sends forward, in the stage's chunk order."""
+        return self.acts or (self.act_out,)
 
     @property
     def replica(self) -> int:
@@ -112,27 +120,45 @@ class Cost:
 
 
 def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int], optim: str,
-                 momentum: float = 0.0) -> tuple[list[StageShape], int]:
+                 momentum: float = 0.0, *, stages: int | None = None
+                 ) -> tuple[list[StageShape], int]:
     """Each stage's activation and replica bytes, from a no-grad forward of one zero sample.
 
     Returns the shapes and the bytes per sample of the model's input. ``partitions``
-    are the stages' ``nn.Sequential`` slices; replicas carry float32 parameters.
+    are the model's chunks in order (``nn.Sequential`` slices, as ``split`` cuts them),
+    of which stage s holds s, s + K, ... when ``stages`` = K is fewer; or a pipeline's
+    ``partitions`` (stage modules that hold their chunks). Replicas carry float32
+    parameters, of all the stage's chunks.
     """
     import torch
 
+    from mpipipe.pipeline.partition import StageChunks
+
+    parts = list(partitions)
+    if parts and all(isinstance(p, StageChunks) for p in parts):
+        k, v = len(parts), len(parts[0].chunks)
+        parts = [parts[c % k].chunks[c // k] for c in range(v * k)]
+        stages = stages or k
+    k = stages or len(parts)
+    if not parts or len(parts) % k:
+        raise ValueError(f"{len(parts)} chunks do not divide over {k} stages")
+    acts: list[int] = []
     with torch.no_grad():
         x = torch.zeros(1, *in_shape)
         in_bytes = x.numel() * x.element_size()
-        out = []
-        for k, part in enumerate(partitions):
+        for c, part in enumerate(parts):
             was = part.training
             part.eval()
             x = part(x)
             part.train(was)
-            params = list(part.parameters())
-            pb = sum(p.numel() * p.element_size() for p in params)
-            act = x.numel() * x.element_size() if k < len(partitions) - 1 else 0
-            out.append(StageShape(act, pb, state_bytes(pb, len(params), optim, momentum)))
+            acts.append(x.numel() * x.element_size() if c < len(parts) - 1 else 0)
+    out = []
+    for s in range(k):
+        params = [p for part in parts[s::k] for p in part.parameters()]
+        pb = sum(p.numel() * p.element_size() for p in params)
+        mine = tuple(acts[s::k])
+        out.append(StageShape(sum(mine), pb, state_bytes(pb, len(params), optim, momentum),
+                              mine if len(mine) > 1 else ()))
     return out, in_bytes
 
 
@@ -180,7 +206,9 @@ def predict(
     backups = {int(k): int(v) for k, v in (backups or {}).items() if int(v) > 0}
     _check(stages, backups, replicate_every, mode, batch_size)
     k_last = len(stages) - 1
-    pipeline = float(sum(2 * batch_size * s.act_out for s in stages[:k_last]))
+    # one chunk per stage: the last one sends nothing; interleaved: every stage's chunks do
+    senders = stages if any(s.acts for s in stages) else stages[:k_last]
+    pipeline = float(sum(2 * batch_size * s.act_out for s in senders))
     labels = float(batch_size * label_bytes) if k_last > 0 else 0.0
     replica = shadow = 0.0
     replica_round = 0
@@ -255,10 +283,14 @@ def link_bytes(
         out.setdefault(src, [0.0, 0.0])[0] += n
         out.setdefault(dst, [0.0, 0.0])[1] += n
 
-    for k in range(k_last):
-        act = batch_size * stages[k].act_out
-        move(f"stage {k}", f"stage {k + 1}", act)  # activations forward
-        move(f"stage {k + 1}", f"stage {k}", act)  # their gradients back
+    n_stages = len(stages)
+    v = max(len(s.chunk_acts) for s in stages)
+    # chunk c (on stage c mod K) sends to chunk c + 1; one chunk per stage: c = k
+    for c in range(v * n_stages - 1):
+        k, nxt = c % n_stages, (c + 1) % n_stages
+        act = batch_size * stages[k].chunk_acts[c // n_stages]
+        move(f"stage {k}", f"stage {nxt}", act)  # activations forward
+        move(f"stage {nxt}", f"stage {k}", act)  # their gradients back
     if k_last > 0 and label_bytes:
         move("stage 0", f"stage {k_last}", batch_size * label_bytes)
     for k, count in sorted(backups.items()):
@@ -364,8 +396,9 @@ def cost_main(args: Any) -> int:
     import json
     import sys
 
-    from mpipipe.core.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS, ConfigError, load_config
+    from mpipipe.core.config import ConfigError, load_config
     from mpipipe.core.roles import PlanError, _backup_counts
+    from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
     prog = "mpipipe cost"
     try:
@@ -393,7 +426,8 @@ def cost_main(args: Any) -> int:
         print(json.dumps({"balance": balance, "backups": backups, "batch_size": batch,
                           "rows": rows}))
         return 0
-    print(f"{cfg['model']['name']} in {k} stages, balance {balance}{note}; batch {batch}; "
+    chunks = f" of {len(balance) // k} chunks each" if len(balance) > k else ""
+    print(f"{cfg['model']['name']} in {k} stages{chunks}, balance {balance}{note}; batch {batch}; "
           f"backups {backups}{assumed}")
     print(format_table(rows))
     print("bytes are payload per optimizer step, all ranks together; 'max lost updates' is "
@@ -412,6 +446,7 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
     import torch
 
     from mpipipe.core.models import build_model
+    from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.partition import balance_by_params, check_balance, split
 
     if in_shape_arg:
@@ -428,14 +463,16 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
     torch.manual_seed(cfg["run"]["seed"])
     model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], in_shape)
     k = cfg["pipeline"]["stages"]
+    v = chunks_per_stage(cfg)  # v x K chunks with interleaved-1f1b
     note = ""
     if cfg["pipeline"]["balance"]:
         balance = check_balance(model, cfg["pipeline"]["balance"])
     else:
-        balance = balance_by_params(model, k)
+        balance = balance_by_params(model, k, v, cfg["pipeline"]["chunks"])
         if cfg["pipeline"]["balance_by"] == "time":
             note = " (by parameters; the run balances by measured time and may cut elsewhere)"
     o = cfg["optim"]
     momentum = float(o.get("momentum", 0.0)) if o["name"] == "sgd" else 0.0
-    shapes, in_bytes = stage_shapes(split(model, balance), in_shape, o["name"], momentum)
+    shapes, in_bytes = stage_shapes(split(model, balance), in_shape, o["name"], momentum,
+                                    stages=k)
     return shapes, in_bytes, balance, note

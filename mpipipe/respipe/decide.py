@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from mpipipe.pipeline.engine import stage_consumers
 from mpipipe.respipe.messages import Decision, StateReport
+from mpipipe.respipe.mirror import stage_consumers
 from mpipipe.respipe.settings import Settings
 
 __all__ = ["View", "decide", "can_go_on", "round_patience", "eval_point", "stage_holders"]

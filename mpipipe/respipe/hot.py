@@ -15,8 +15,8 @@ import torch
 from mpipipe.core.lr import set_rate_for_step
 from mpipipe.core.statecodec import pack_state, unpack_state
 from mpipipe.core.transport import CTRL, SHADOW
-from mpipipe.pipeline.engine import Have
 from mpipipe.respipe.membership import _DEBUG
+from mpipipe.respipe.mirror import Have
 from mpipipe.respipe.replicas import _Slot
 
 

@@ -15,9 +15,10 @@ import torch
 from mpipipe.core import ft
 from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
 from mpipipe.core.transport import REPLICA, PeerFailed
-from mpipipe.pipeline.engine import Pipeline, Route
+from mpipipe.pipeline.engine import Route
 from mpipipe.respipe.control import _END
 from mpipipe.respipe.messages import Decision
+from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 
 _BACKUP_POLL_S = 0.02
 
@@ -41,13 +42,15 @@ class Replicas:
         """
         import copy
 
-        part = copy.deepcopy(self.pipe.partitions[stage])
-        shape, dtype = self.pipe.boundary_shapes(self.in_shape)[stage]
-        x = torch.zeros((2, *shape), dtype=dtype, requires_grad=dtype.is_floating_point)
-        out = part(x)
-        out.float().sum().backward()
-        opt = self.make_optimizer(part.parameters())
-        opt.step()
+        shapes, pipe = self.pipe.boundary_shapes(self.in_shape), self.pipe
+        for c in range(stage, len(pipe.chunk_modules), pipe.k):  # the stage's chunks
+            part = copy.deepcopy(pipe.chunk_modules[c])
+            shape, dtype = shapes[c]
+            x = torch.zeros((2, *shape), dtype=dtype, requires_grad=dtype.is_floating_point)
+            out = part(x)
+            out.float().sum().backward()
+            opt = self.make_optimizer(part.parameters())
+            opt.step()
 
     def _replicate(self) -> None:
         """Send this stage's replica to its holders every R steps (and take the ward's)."""

@@ -45,6 +45,9 @@ class Settings:
         if sec["mode"] == "neighbour" and _backup_counts(sec.get("backups", {}), stages):
             raise ValueError("resilience.mode = \"neighbour\" needs no backup ranks (each "
                              "stage's neighbour holds its replica): set resilience.backups = {}")
+        if sec["mode"] != "cold" and (sched := cfg.get("pipeline", {}).get("schedule")) == "interleaved-1f1b":
+            raise ValueError(f'resilience.mode = "{sec["mode"]}" runs one chunk per rank: '
+                             f'schedule "{sched}" needs resilience.mode = "cold"')
         # Whether each fault can fire was checked at start-up (cli.check_faults).
         faults = tuple(parse_all(sec.get("inject", [])))
         return cls(_backup_counts(sec.get("backups", {}), stages), r, sec["mode"],

@@ -55,13 +55,14 @@ from mpipipe.core.lr import set_rate_for_step
 from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
 from mpipipe.core.stop import ControlStop, StopRun
 from mpipipe.core.transport import Late, PeerFailed, set_wait_hook
-from mpipipe.pipeline.engine import SHADOW_GRAD_MICRO, Pipeline
 from mpipipe.respipe.control import _END, _STOP, _STOP_ASK, _Control
 from mpipipe.respipe.decide import round_patience
 from mpipipe.respipe.hot import HotMirror
 from mpipipe.respipe.logbook import Logbook, _Row
 from mpipipe.respipe.membership import _DEBUG, Demoted, Membership, StageLost
 from mpipipe.respipe.messages import StateReport
+from mpipipe.respipe.mirror import SHADOW_GRAD_MICRO
+from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 from mpipipe.respipe.rejoin import Rejoin
 from mpipipe.respipe.replicas import Replicas, _Slot
 from mpipipe.respipe.rounds import Rounds, _Round, _RoundStarted

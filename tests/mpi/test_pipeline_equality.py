@@ -1,4 +1,4 @@
-"""Pipelined training equals single-process training (K = 2, 3, 4; GPipe and 1F1B)."""
+"""Pipelined training equals single-process training (K = 2, 3, 4; GPipe, 1F1B; interleaved 1F1B)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,61 @@ def test_pipeline_equals_single_process(k, schedule, name, in_shape, chunks, bat
     all_losses_ok = world.allreduce(losses_ok, op=MPI.LAND)
     assert worst <= TOL, f"K={k} {schedule}: max abs parameter difference {worst:.3g}"
     assert all_losses_ok, "the last stage's loss differs from single-process loss"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("k", [pytest.param(k, marks=pytest.mark.mpi(min_size=k)) for k in (2, 3)])
+@pytest.mark.parametrize("name,in_shape,batch", [
+    ("lenet", (1, 8, 8), 10),     # m = 2K micro-batches of uneven sizes
+    ("resnet", (3, 16, 16), 8),   # residual blocks as single modules, GroupNorm
+])
+def test_interleaved_1f1b_equals_single_process(k, name, in_shape, batch):
+    """v = 2 chunks per rank: rank r holds chunks r and r + K, one Pipeline call with a
+    balance of 2K entries; parameters, loss and evaluation equal single-process ones."""
+    world = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    v, chunks = 2, 2 * k
+    model = build_model(name, 10, in_shape)
+    reference = copy.deepcopy(model)
+    batches = _batches(STEPS, batch, in_shape)
+    sub = _sub(world, k)
+    diff, ok = 0.0, True
+    if sub is not None:
+        balance = [12 // (v * k)] * (v * k) if name == "lenet" else balance_by_params(model, v * k)
+        pipe = Pipeline(model, balance, chunks, "interleaved-1f1b", sub, in_shape=in_shape,
+                        deadline=20)
+        assert (pipe.k, pipe.v, len(pipe.chunk_modules)) == (k, v, v * k)
+        opt = torch.optim.SGD(list(pipe.parameters()), lr=0.05, momentum=0.9)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        loss_fn = nn.CrossEntropyLoss()
+        for x, y in batches:
+            loss = pipe.step(x if pipe.first else None, y if pipe.first else None, loss_fn)
+            opt.step()
+            ref_opt.zero_grad()
+            expected = loss_fn(reference(x), y)
+            expected.backward()
+            ref_opt.step()
+            ok &= abs(loss - expected.item()) <= TOL if pipe.last else loss is None
+        theirs = dict(reference.named_parameters())
+        mine = dict(pipe.stage_module.named_parameters())
+        # the stage's module is its chunks k, k + K: exactly those layers' parameters
+        wanted = {n for c in range(pipe.stage, v * k, k)
+                  for n, _ in split(reference, balance)[c].named_parameters()}
+        ok &= set(mine) == wanted
+        for n, p in mine.items():
+            diff = max(diff, (p - theirs[n]).abs().max().item())
+        x, y = batches[0]
+        with torch.no_grad():
+            reference.eval()
+            right = int((reference(x).argmax(1) == y).sum())
+        result = pipe.evaluate(x if pipe.first else None, y if pipe.first else None)
+        ok &= result == (right, batch) if pipe.last else result is None
+        sub.Free()
+    worst = world.allreduce(diff, op=MPI.MAX)
+    assert worst <= TOL, f"K={k} interleaved: max abs parameter difference {worst:.3g}"
+    assert world.allreduce(ok, op=MPI.LAND), "a loss, evaluation or stage's parameter set differs"
 
 
 @pytest.mark.mpi(min_size=2)

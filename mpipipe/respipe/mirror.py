@@ -1,0 +1,361 @@
+"""ResPipe's hot mirror: the pipeline engine plus what hot mode needs to finish a step.
+
+Why apart from the engine: a plain pipeline never resumes a step, relays to shadows or
+answers what it holds, and should not pay for it (mpipipe.pipeline.engine). ResPipe
+builds a :class:`MirrorPipeline`; when no hot feature is on (cold and neighbour modes)
+its step is the engine's plain step, so those modes run every schedule the engine runs.
+
+What hot mode adds, all of one chunk per rank (interleaved schedules are refused):
+
+- :class:`StepState`: what a stage (or its mirror) has done of a step, so that after a
+  takeover every survivor finishes the step from where it stopped;
+- relays: a stage sends a copy of each input (and, with `relay_grads`, of each output
+  gradient) to its shadows (kind SHADOW), and a mirror runs the stage's actions on them;
+- :class:`Have` and :meth:`MirrorPipeline.resume`: after a takeover each rank tells its
+  suppliers what it holds and gets only what it lacks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mpipipe.core.transport import ACT, GRAD, LABEL, SHADOW
+from mpipipe.pipeline.engine import MAX_TAGGED_MICRO, LossFn, Pipeline, Route
+from mpipipe.pipeline.schedule import Op
+
+__all__ = ["MirrorPipeline", "Route", "StepState", "Have", "stage_consumers",
+           "SHADOW_GRAD_MICRO"]
+
+# Hot backups: with `relay_grads`, a stage also relays the gradient of its output for
+# micro-batch i to its shadows as SHADOW micro SHADOW_GRAD_MICRO + i.
+SHADOW_GRAD_MICRO = MAX_TAGGED_MICRO
+
+
+@dataclass
+class StepState:
+    """What one stage (or its hot mirror) has done of one step, micro-batch by micro-batch.
+
+    Why: a resumable pipeline keeps it when a step is interrupted, so that after a
+    takeover every survivor finishes the step from where it stopped instead of
+    replaying it, and can send again what a new neighbour lacks. `pos` counts the
+    schedule's actions done; the dicts map a micro-batch to the tensors it received
+    (`inputs`, `grads`: the gradient of its output) and sent (`outs`, `gins`: the
+    gradient of its input); `saved` holds the graphs still to run backward.
+    """
+
+    stage: int
+    step: int
+    pos: int = 0
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    outs: dict[int, torch.Tensor] = field(default_factory=dict)
+    gins: dict[int, torch.Tensor] = field(default_factory=dict)
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    xs: Sequence[torch.Tensor] | None = None  # first stage: its micro-batches of x
+    ys: list[torch.Tensor] | None = None  # last stage: labels per micro-batch
+    y: torch.Tensor | None = None  # first stage: the labels it sent
+    loss_sum: float = 0.0
+    total: int = 0
+
+
+@dataclass(frozen=True)
+class Have:
+    """What a rank holds of step `step`: bit i of `inputs` (`grads`) = micro-batch i's
+    input (output gradient); `labels` = the step's labels. It holds all of earlier steps."""
+
+    step: int
+    inputs: int
+    grads: int
+    labels: bool
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor([self.step, self.inputs, self.grads, int(self.labels)],
+                            dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, v: torch.Tensor) -> Have:
+        s, i, g, lab = (int(x) for x in v.tolist())
+        return cls(s, i, g, bool(lab))
+
+
+def _has(h: Have | None, kind: int, step: int, micro: int) -> bool:
+    """Does the rank that sent `h` hold this message already?"""
+    if h is None or kind not in (ACT, GRAD, LABEL, SHADOW) or step > h.step:
+        return False
+    if step < h.step:
+        return True
+    if kind == LABEL:
+        return h.labels
+    if kind == GRAD or (kind == SHADOW and micro >= SHADOW_GRAD_MICRO):
+        return bool(h.grads >> (micro % SHADOW_GRAD_MICRO) & 1)
+    return bool(h.inputs >> micro & 1)  # ACT, or SHADOW of an input
+
+
+def stage_consumers(stage: int, ranks: Sequence[int], shadows: Sequence[int],
+                    labels: str) -> set[int]:
+    """The ranks that take stage `stage`'s messages in a step, on a route of `ranks`:
+    its neighbours, its `shadows` (hot mirrors), and the last stage when labels travel."""
+    out = set(shadows)
+    if stage > 0:
+        out.add(ranks[stage - 1])
+    if stage < len(ranks) - 1:
+        out.add(ranks[stage + 1])
+        if stage == 0 and labels == "travel":
+            out.add(ranks[-1])
+    return out
+
+
+class MirrorPipeline(Pipeline):
+    """The engine's pipeline with ResPipe's hot mode: resumable steps, relays and mirrors.
+
+    Same constructor as :class:`~mpipipe.pipeline.engine.Pipeline`. ResPipe sets
+    `relay_grads` and `resumable` in hot mode; with neither (and no shadows, no mirror)
+    :meth:`step` is the engine's plain step.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.relay_grads = False  # set by ResPipe in hot mode
+        # Hot mode: keep an interrupted step (and the last one) to finish it.
+        self.resumable = False
+        self.inflight: StepState | None = None
+        self.last_state: StepState | None = None
+        self.peer_have: dict[int, Have] = {}
+        self._resent: set[tuple[int, int, int, int]] = set()  # (dest, kind, step, micro)
+        self._resuming = False
+        super().__init__(*args, **kwargs)
+
+    def rebind(self, route: Route, comm: object | None = None) -> None:
+        super().rebind(route, comm)
+        self.peer_have, self._resent = {}, set()
+
+    def _hot(self, stage: int, mirror: tuple[int, int] | None) -> bool:
+        """Is any hot feature on for this step (else the plain step runs)?"""
+        return (mirror is not None or self.resumable or self.relay_grads
+                or bool(self.peer_have) or bool(self.route.shadows_of(stage)))
+
+    # -- one training step -------------------------------------------------------------
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, loss_fn: LossFn, *,
+             step: int | None = None, mirror: tuple[int, int] | None = None) -> float | None:
+        """The engine's step (:meth:`Pipeline.step`), and in hot mode a resumable one.
+
+        With `mirror=(stage, source)` a rank without a stage runs that stage's actions on
+        the copies `source` relays (kind SHADOW) and sends nothing: a hot backup. On a
+        `resumable` pipeline an interrupted step is kept (:class:`StepState`) and the next
+        call for the same step and stage continues it where it stopped, even on another
+        route and as the stage itself after a mirror's takeover (see :meth:`resume`).
+
+        Raises:
+            Late: a message missed `self.deadline`.
+            PeerFailed: a peer died (ULFM).
+            ValueError: a mini-batch with fewer samples than micro-batches, or hot mode
+                with a schedule of several chunks per rank.
+        """
+        stage = self.stage if mirror is None else mirror[0]
+        if stage is None:
+            return None
+        if not self._hot(stage, mirror):
+            return super().step(x, y, loss_fn, step=step)
+        if self.v > 1:
+            raise ValueError(f"ResPipe's hot mode runs one chunk per rank; schedule "
+                             f"{self.schedule!r} has {self.v}")
+        step_no = self.step_count if step is None else step
+        t0 = time.perf_counter()
+        wait0 = self.transport.wait_s
+        st = self.inflight
+        if st is None or st.step != step_no or st.stage != stage:
+            st = self._begin(stage, step_no)
+        try:
+            self._run_hot(st, x, y, loss_fn, None if mirror is None else mirror[1])
+        except BaseException:
+            self.transport.discard()
+            if not self.resumable:
+                self.inflight = None
+            raise
+        finally:
+            elapsed = time.perf_counter() - t0
+            self.last_wait_s = self.transport.wait_s - wait0
+            self.last_compute_s = elapsed - self.last_wait_s
+        self.inflight = None
+        st.saved.clear()
+        self.last_state = st if self.resumable else None
+        self.step_count = step_no + 1
+        return st.loss_sum if stage == self.k - 1 else None
+
+    def _begin(self, stage: int, step_no: int) -> StepState:
+        for p in self.partitions[stage].parameters():
+            p.grad = None
+        self.inflight = StepState(stage, step_no)
+        return self.inflight
+
+    def _run_hot(self, st: StepState, x: torch.Tensor | None, y: torch.Tensor | None,
+                 loss_fn: LossFn, source: int | None) -> None:
+        """The actions of `st.stage` from `st.pos` on; `source` is a mirror's stage rank."""
+        stage, t, m, deadline = st.stage, self.transport, self.chunks, self.deadline
+        first, last = stage == 0, stage == self.k - 1
+        part = self.partitions[stage]
+        ranks = self.route.ranks
+        shadows = self.route.shadows_of(stage) if source is None else []
+        if first and source is None and st.xs is None:
+            st.xs = self._split_x(x)
+        shapes = self.boundary_shapes()
+        if (first or last) and st.ys is None and st.y is None:
+            if source is not None:  # a mirror reads its labels itself
+                if last:
+                    if y is None:
+                        raise ValueError("a mirror of the last stage needs y")
+                    st.ys = list(y.tensor_split(m))
+            else:
+                st.ys, st.y = self._labels(y, st.step, 0, LABEL)
+        if last and st.ys is not None and not st.total:
+            st.total = sum(len(v) for v in st.ys)
+        todo = self.plan(stage)
+        keep = self.resumable  # what was sent stays, to be sent again after a takeover
+        while st.pos < len(todo):
+            a = todo[st.pos]
+            i = a.micro
+            if a.op == Op.FORWARD:
+                inp = st.inputs.get(i)
+                if inp is None:
+                    if first and source is None:
+                        assert st.xs is not None
+                        inp = st.xs[i]
+                    else:
+                        shape, dtype = shapes[stage]
+                        inp = t.recv_rows(shape, dtype, ranks[stage - 1] if source is None
+                                          else source, kind=ACT if source is None else SHADOW,
+                                          step=st.step, micro=i, deadline=deadline)
+                        inp.requires_grad_(inp.is_floating_point())
+                    st.inputs[i] = inp
+                for r in shadows:
+                    self._emit(inp, r, SHADOW, st.step, i)
+                out = part(inp)
+                if last:
+                    assert st.ys is not None
+                    out = loss_fn(out, st.ys[i]) * (len(st.ys[i]) / st.total)
+                    st.loss_sum += float(out.detach())
+                elif keep:
+                    st.outs[i] = out.detach()
+                st.saved[i] = (inp, out)
+                st.pos += 1
+                if source is None and not last:
+                    self._emit(out, ranks[stage + 1], ACT, st.step, i)
+                if self.after_forward is not None:  # a mirror's too: a fault aimed at it
+                    self.after_forward(st.step, i)
+            else:
+                inp, out = st.saved[i]
+                grad = None
+                if not last:
+                    grad = st.grads.get(i)
+                    if grad is None:
+                        grad = t.recv(torch.empty_like(out),
+                                      ranks[stage + 1] if source is None else source,
+                                      kind=GRAD if source is None else SHADOW, step=st.step,
+                                      micro=i if source is None else SHADOW_GRAD_MICRO + i,
+                                      deadline=deadline)
+                        st.grads[i] = grad
+                    for r in shadows if self.relay_grads else ():
+                        self._emit(grad, r, SHADOW, st.step, SHADOW_GRAD_MICRO + i)
+                if out.requires_grad:
+                    out.backward(grad)
+                del st.saved[i]
+                st.pos += 1
+                if not keep:  # 1F1B's point: hold the tensors of in-flight micro-batches only
+                    st.inputs.pop(i, None)
+                    st.grads.pop(i, None)
+                if not first:
+                    g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+                    if keep:
+                        st.gins[i] = g
+                    if source is None:
+                        self._emit(g, ranks[stage - 1], GRAD, st.step, i)
+        t.flush(deadline)
+
+    # -- finishing a step after a takeover ---------------------------------------------
+    def _send(self, tensor: torch.Tensor, dest: int, kind: int, step: int, micro: int) -> None:
+        self._emit(tensor, dest, kind, step, micro)
+
+    def _emit(self, tensor: torch.Tensor, dest: int, kind: int, step: int, micro: int) -> None:
+        """Send unless `dest` has this message: it said so, or :meth:`resume` sent it."""
+        if self.peer_have:
+            key = (dest, kind, step, micro)
+            if _has(self.peer_have.get(dest), kind, step, micro) or key in self._resent:
+                return
+            if self._resuming:
+                self._resent.add(key)
+        self.transport.send(tensor, dest, kind=kind, step=step, micro=micro)
+
+    def have(self, step: int) -> Have:
+        """What this rank holds of `step`'s messages, for the ranks that send it them."""
+        st = self.inflight
+        if st is None or st.step != step:
+            return Have(step, 0, 0, False)
+        bits = lambda d: sum(1 << i for i in d)  # noqa: E731
+        return Have(step, bits(st.inputs), bits(st.grads), st.ys is not None)
+
+    def suppliers(self, mirror_source: int | None = None) -> list[int]:
+        """The ranks whose messages this rank consumes in a step (on the current route)."""
+        if self.stage is None:
+            return [] if mirror_source is None else [mirror_source]
+        j, ranks = self.stage, self.route.ranks
+        out = {ranks[j - 1]} if j > 0 else set()
+        if j < self.k - 1:
+            out.add(ranks[j + 1])
+        if j == self.k - 1 and j > 0 and self.labels == "travel":
+            out.add(ranks[0])
+        return sorted(out)
+
+    def consumers(self) -> list[int]:
+        """The ranks that consume this rank's messages in a step (stages and mirrors)."""
+        if self.stage is None:
+            return []
+        return sorted(stage_consumers(self.stage, self.route.ranks,
+                                      self.route.shadows_of(self.stage), self.labels))
+
+    def resume(self, peer_have: Mapping[int, Have]) -> int:
+        """After a takeover: send each consumer what it lacks of the steps this rank holds.
+
+        `peer_have` maps each consumer (rank on the current route) to what it holds.
+        Messages a consumer has are never sent again, now or when this rank produces
+        them later (a promoted mirror is behind the stage it replaces); every message it
+        lacks goes to it once. Returns the number of messages sent.
+
+        Raises:
+            PeerFailed: a consumer is dead (a new round follows).
+        """
+        self.peer_have = dict(peer_have)
+        # A relay is sent before its action counts as done: redoing the action must not
+        # send again what this resend delivers.
+        self._resent, self._resuming = set(), True
+        sent = self.transport.pending()
+        j, ranks = self.stage, self.route.ranks
+        try:
+            for st in (self.last_state, self.inflight):
+                if st is None or j is None or st.stage != j:
+                    continue
+                if j < self.k - 1:
+                    for i, o in st.outs.items():
+                        self._emit(o, ranks[j + 1], ACT, st.step, i)
+                if j > 0:
+                    for i, g in st.gins.items():
+                        self._emit(g, ranks[j - 1], GRAD, st.step, i)
+                if j == 0 and st.y is not None and self.k > 1 and self.labels == "travel":
+                    self._emit(st.y, ranks[-1], LABEL, st.step, 0)
+                for r in self.route.shadows_of(j):
+                    for i, inp in st.inputs.items():
+                        self._emit(inp, r, SHADOW, st.step, i)
+                    for i, g in st.grads.items() if self.relay_grads else ():
+                        self._emit(g, r, SHADOW, st.step, SHADOW_GRAD_MICRO + i)
+        finally:
+            self._resuming = False
+        return self.transport.pending() - sent
+
+    def abandon(self) -> None:
+        """Forget an interrupted step (it will be replayed from its start)."""
+        self.inflight = None
+        self.last_state = None
+        self.peer_have, self._resent = {}, set()
