@@ -6,8 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from mpipipe import package_version, report, train
-from mpipipe.respipe import costmodel
+from mpipipe import cost, package_version, report, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mpipipe {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train.add_parser(sub)
-    costmodel.add_parser(sub)
+    cost.add_parser(sub)
     report.add_parser(sub)
     defaults = sub.add_parser("defaults", help="print the default configuration as TOML")
     defaults.set_defaults(func=_print_defaults)

@@ -10,6 +10,7 @@ import pytest
 
 from mpipipe.core import faults as inject
 from mpipipe.core import ft
+from mpipipe.cost import format_table
 from mpipipe.respipe import costmodel
 from mpipipe.respipe.costmodel import StageShape
 
@@ -202,7 +203,7 @@ def test_trade_off_table_over_r():
     rows = costmodel.trade_off(STAGES, batch_size=8, backups={1: 1}, rs=(1, 10))
     assert [(r["mode"], r["R"]) for r in rows] == [("cold", 1), ("cold", 10), ("hot", 1), ("hot", 10)]
     assert rows[0]["overhead"] > rows[1]["overhead"]
-    text = costmodel.format_table(rows)
+    text = format_table(rows)
     assert "max lost updates" in text and len(text.splitlines()) == 5
 
 
