@@ -23,28 +23,47 @@ import numpy as np
 if TYPE_CHECKING:
     from mpipipe.core.roles import LaunchPlan
 
-__all__ = ["Fault", "FaultError", "FaultPlan", "parse", "parse_all", "check_reachable", "check_nodes",
-           "firing_rank", "kill_node", "set_link", "KINDS", "NODE_KINDS"]
+__all__ = ["Fault", "FaultError", "FaultKind", "FaultPlan", "FAULT_KINDS", "parse", "parse_all",
+           "check_reachable", "check_nodes", "firing_rank", "kill_node", "set_link", "KINDS", "NODE_KINDS"]
 
-KINDS = ("kill", "stall", "delay", "slow", "node-kill", "partition")
-# Faults aimed at a testbed node (node=NAME) rather than a stage or a rank.
-NODE_KINDS = ("node-kill", "partition")
+@dataclass(frozen=True)
+class FaultKind:
+    """What one kind of fault is: its keys, an example, and how it acts on its target.
 
-# Which keys each kind needs and accepts, with their types; the target is either
-# a stage (pipeline jobs) or a rank (any job), never both.
-_REQUIRED = {"kill": {"step"}, "stall": {"step"}, "delay": {"p", "seconds"}, "slow": {"factor"},
-             "node-kill": {"node", "step"}, "partition": {"node", "step"}}
-_OPTIONAL = {"kill": {"micro"}, "stall": {"seconds", "micro"}, "delay": {"step"},
-             "slow": {"step"}, "node-kill": set(), "partition": {"seconds"}}
+    Why a table: everything that differs between kinds is here (parsing, the example
+    in an error, what the ResPipe log writer must do), so adding a kind is one entry
+    plus its firing in :meth:`FaultPlan.at_step` (docs/internals.md).
+    """
+
+    name: str
+    required: frozenset[str]  # keys the spec must give (besides the target)
+    optional: frozenset[str]
+    example: str
+    on_node: bool = False  # aimed at a testbed node (node=NAME), not at a stage or a rank
+    silences: bool = False  # the target stops answering: the log writer may move
+    ends_process: bool = False  # the target's process does not come back
+    repeats: bool = False  # may fire at every step from its step (delay), not only at it
+
+
+def _kind(name: str, required: str, optional: str, example: str, **how: bool) -> FaultKind:
+    return FaultKind(name, frozenset(required.split()), frozenset(optional.split()), example, **how)
+
+
+# The target is either a stage (pipeline jobs) or a rank (any job), never both; a node
+# fault names a testbed node instead.
+FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
+    _kind("kill", "step", "micro", "kill:stage=1:step=20", silences=True, ends_process=True),
+    _kind("stall", "step", "seconds micro", "stall:stage=1:step=20:seconds=5", silences=True),
+    _kind("delay", "p seconds", "step", "delay:stage=1:p=0.1:seconds=0.5", repeats=True),
+    _kind("slow", "factor", "step", "slow:rank=2:step=10:factor=3"),
+    _kind("node-kill", "node step", "", "node-kill:node=b:step=20", on_node=True, silences=True,
+          ends_process=True),
+    _kind("partition", "node step", "seconds", "partition:node=b:step=20:seconds=10", on_node=True,
+          silences=True, ends_process=True),
+)}
+KINDS = tuple(FAULT_KINDS)
+NODE_KINDS = tuple(k for k, v in FAULT_KINDS.items() if v.on_node)
 _INT_KEYS = {"stage", "rank", "step", "micro"}
-_EXAMPLES = {
-    "kill": "kill:stage=1:step=20",
-    "stall": "stall:stage=1:step=20:seconds=5",
-    "delay": "delay:stage=1:p=0.1:seconds=0.5",
-    "slow": "slow:rank=2:step=10:factor=3",
-    "node-kill": "node-kill:node=b:step=20",
-    "partition": "partition:node=b:step=20:seconds=10",
-}
 DEFAULT_STALL_S = 5.0
 DEFAULT_PARTITION_S = 10.0
 # A testbed node's name (mpipipe.core.testbed.NAME_RE), with or without the mpt- prefix.
@@ -89,6 +108,11 @@ class Fault:
     micro: int = -1  # kill, stall: -1 = at the start of the step
     node: str | None = None  # node-kill, partition: the testbed node's name (no mpt- prefix)
 
+    @property
+    def how(self) -> FaultKind:
+        """This fault's kind, with what it does to its target (:data:`FAULT_KINDS`)."""
+        return FAULT_KINDS[self.kind]
+
     def targets(self, *, stage: int | None, rank: int, hosts: Sequence[str] | None = None) -> bool:
         """True if this fault is aimed at the process playing ``stage`` on world ``rank``
         (a node fault: if ``rank`` is the one that fires it, :func:`firing_rank`)."""
@@ -112,7 +136,8 @@ class Fault:
 
 
 def _fail(spec: str, why: str, kind: str | None = None) -> FaultError:
-    example = _EXAMPLES.get(kind or "", ", ".join(_EXAMPLES.values()))
+    known = FAULT_KINDS.get(kind or "")
+    example = known.example if known else ", ".join(k.example for k in FAULT_KINDS.values())
     return FaultError(f"fault spec {spec!r}: {why} (e.g. {example})")
 
 
@@ -129,12 +154,13 @@ def parse(spec: str) -> Fault:
     kind = parts[0].lower()
     if kind not in KINDS:
         raise _fail(spec, f"unknown fault kind {parts[0]!r} (known: {', '.join(KINDS)})")
+    spec_kind = FAULT_KINDS[kind]
     values: dict[str, float | int] = {}
     for part in parts[1:]:
         if "=" not in part:
             raise _fail(spec, f"{part!r} is not key=value", kind)
         key, raw = (s.strip().lower() for s in part.split("=", 1))
-        allowed = _REQUIRED[kind] | _OPTIONAL[kind] | (set() if kind in NODE_KINDS else {"stage", "rank"})
+        allowed = spec_kind.required | spec_kind.optional | (set() if spec_kind.on_node else {"stage", "rank"})
         if key not in allowed:
             raise _fail(spec, f"unknown key {key!r} for {kind} (allowed: {', '.join(sorted(allowed))})",
                         kind)
@@ -152,9 +178,9 @@ def parse(spec: str) -> Fault:
         except ValueError:
             what = "an integer" if key in _INT_KEYS else "a number"
             raise _fail(spec, f"{key}={raw!r} is not {what}", kind) from None
-    if kind not in NODE_KINDS and ("stage" in values) == ("rank" in values):
+    if not spec_kind.on_node and ("stage" in values) == ("rank" in values):
         raise _fail(spec, "name exactly one target, stage=K or rank=R", kind)
-    missing = _REQUIRED[kind] - set(values)
+    missing = spec_kind.required - set(values)
     if missing:
         raise _fail(spec, f"missing {', '.join(sorted(missing))}", kind)
     for key in ("stage", "rank", "step", "micro"):

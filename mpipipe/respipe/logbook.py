@@ -41,7 +41,7 @@ class Logbook:
         now = time.time()
         if self.is_logger:
             self._log_event(EventKind.FAULT_INJECTED, step, self.wrank, fault=str(fault), at=now)
-            if fault.kind in ("kill", "stall", "node-kill", "partition"):
+            if fault.how.silences:
                 # The log passes to a survivor, which needs the fault's time for its
                 # detected_after_s and recovery_s: every member hears it (logged: 1).
                 for w in self.members:
@@ -51,7 +51,7 @@ class Logbook:
         else:
             self.control.send(_FAULT, self._drank(self.log_w), [now, step, self.wrank, 0],
                               seq=self.wrank)
-        if fault.kind in ("kill", "node-kill", "partition"):
+        if fault.how.ends_process:
             time.sleep(0.01)  # let the note leave before the process dies (or the link goes)
 
     def _drain_fault_notes(self, new_writer: bool = False) -> None:
@@ -66,7 +66,7 @@ class Logbook:
                 t, step = float(msg[0]), int(msg[1])
                 spec = next((str(f) for f in self.settings.faults
                              if f.targets(stage=self._launch_stage(w), rank=w)
-                             and (f.kind == "delay" or f.step == step)), "?")
+                             and (f.how.repeats or f.step == step)), "?")
                 # A new writer skips older faults of the old one (a stall it survived).
                 if not (new_writer and step < self.done - 1):
                     self.fault_notes[w] = (t, spec)
