@@ -68,8 +68,9 @@ def cost_main(args: Any) -> int:
     import sys
 
     from mpipipe.core.config import ConfigError, load_config
-    from mpipipe.core.roles import PlanError, _backup_counts
+    from mpipipe.core.roles import PlanError
     from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
+    from mpipipe.pipeline.plan import backup_counts
 
     prog = "mpipipe cost"
     try:
@@ -80,7 +81,7 @@ def cost_main(args: Any) -> int:
         if bad or not rs or min(rs) < 1:
             raise ConfigError(f"--modes must name {', '.join(MODES)} and --r positive integers")
         k = cfg["pipeline"]["stages"]
-        backups = _backup_counts(cfg["resilience"]["backups"], k)
+        backups = backup_counts(cfg["resilience"]["backups"], k)
         shapes, in_bytes, balance, note = shapes_from_config(cfg, args.in_shape)
     except (ConfigError, PlanError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from mpipipe.core.cli import add_train_arguments, planned_steps, start_run
-from mpipipe.core.roles import pipeline_plan
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
+from mpipipe.pipeline.plan import pipeline_plan
 from mpipipe.pipeline.schedule import SCHEDULES
 
 __all__ = ["add_parser", "main"]

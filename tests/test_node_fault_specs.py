@@ -68,6 +68,7 @@ def test_a_dry_plan_logs_a_node_fault_and_does_nothing() -> None:
 
 
 def test_a_node_fault_on_the_stannis_host_node_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mpipipe.pipeline.plan  # noqa: F401 - declares the stage, backup and spare role kinds
     import stannis.config  # noqa: F401 - declares the host and csd role kinds
     from mpipipe.core import testbed
     from mpipipe.core.roles import LaunchPlan, Role
@@ -98,6 +99,7 @@ def test_stannis_takes_a_node_kill_and_refuses_a_partition() -> None:
 
 
 def test_a_spare_rank_never_fires_a_node_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mpipipe.pipeline.plan  # noqa: F401 - declares the stage, backup and spare role kinds
     from mpipipe.core import testbed
     from mpipipe.core.roles import LaunchPlan, Role
 

@@ -6,8 +6,9 @@ import pytest
 
 from mpipipe.core.config import load_config
 from mpipipe.core.placement import check_placement, guards
-from mpipipe.core.roles import PlanError, pipeline_plan
+from mpipipe.core.roles import PlanError
 from mpipipe.pipeline.config import PIPELINE_DEFAULTS
+from mpipipe.pipeline.plan import pipeline_plan
 
 
 def plan_of(*settings: str, world: int):

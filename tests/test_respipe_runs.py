@@ -55,8 +55,8 @@ def _params(ckpt: Path) -> list[dict[str, torch.Tensor]]:
 def _predicted(log_path: Path):
     """The cost model of this run's cut (a ``Cost``), recomputed here from its config."""
     from mpipipe.core.models import build_model
-    from mpipipe.core.roles import _backup_counts
     from mpipipe.pipeline.partition import split
+    from mpipipe.pipeline.plan import backup_counts
     from mpipipe.respipe import costmodel
 
     run = _open(log_path)
@@ -69,7 +69,7 @@ def _predicted(log_path: Path):
     res = cfg["resilience"]
     # neighbour mode protects every stage (the next one holds its replica)
     backups = dict.fromkeys(range(3), 1) if res["mode"] == "neighbour" \
-        else _backup_counts(res["backups"], 3)
+        else backup_counts(res["backups"], 3)
     return costmodel.predict(shapes, batch_size=BATCH, backups=backups,
                              replicate_every=res["replicate_every"], mode=res["mode"],
                              label_bytes=8, input_bytes=in_bytes)

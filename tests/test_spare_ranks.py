@@ -11,8 +11,9 @@ import pytest
 
 from mpipipe.core.config import load_config
 from mpipipe.core.launch import ROOT, run_mpi
-from mpipipe.core.roles import PlanError, Role, pipeline_plan
+from mpipipe.core.roles import PlanError, Role
 from mpipipe.pipeline.config import PIPELINE_DEFAULTS
+from mpipipe.pipeline.plan import pipeline_plan
 from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
 CONFIG = ROOT / "jobs" / "configs" / "respipe-digits.toml"

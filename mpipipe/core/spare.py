@@ -32,7 +32,7 @@ def set_aside(run: Any) -> Iterator[Any]:
     every working rank has left the block (or, under ULFM, one of them died:
     the job is over then as well), and gets None. A working rank gets ``run``
     with the spares left out of its communicator, size and plan; ranks keep
-    their numbers because spares are the last ranks (`pipeline_plan` checks).
+    their numbers because spares are the last ranks (`mpipipe.pipeline.plan.pipeline_plan` checks).
     Without spares in the plan this yields ``run`` itself and costs nothing.
     """
     spares = run.plan.ranks_of("spare")

@@ -32,7 +32,7 @@ class Settings:
             ValueError: R < 1, a deadline <= 0, or a bad fault spec (names the key).
         """
         from mpipipe.core.faults import parse_all
-        from mpipipe.core.roles import _backup_counts
+        from mpipipe.pipeline.plan import backup_counts
 
         sec = cfg["resilience"]
         r = int(sec["replicate_every"])
@@ -42,7 +42,7 @@ class Settings:
             raise ValueError(f"resilience.deadline_s = {sec['deadline_s']}: must be > 0")
         if float(sec["deadline_factor"]) < 0:
             raise ValueError("resilience.deadline_factor must be >= 0 (0: fixed deadline only)")
-        if sec["mode"] == "neighbour" and _backup_counts(sec.get("backups", {}), stages):
+        if sec["mode"] == "neighbour" and backup_counts(sec.get("backups", {}), stages):
             raise ValueError("resilience.mode = \"neighbour\" needs no backup ranks (each "
                              "stage's neighbour holds its replica): set resilience.backups = {}")
         if sec["mode"] != "cold" and (sched := cfg.get("pipeline", {}).get("schedule")) == "interleaved-1f1b":
@@ -50,5 +50,5 @@ class Settings:
                              f'schedule "{sched}" needs resilience.mode = "cold"')
         # Whether each fault can fire was checked at start-up (cli.check_faults).
         faults = tuple(parse_all(sec.get("inject", [])))
-        return cls(_backup_counts(sec.get("backups", {}), stages), r, sec["mode"],
+        return cls(backup_counts(sec.get("backups", {}), stages), r, sec["mode"],
                    float(sec["deadline_s"]), float(sec["deadline_factor"]), faults)
