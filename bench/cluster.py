@@ -2,7 +2,7 @@
 
     flock /run/mpt-session.lock python bench/cluster.py [--json] [--quick]
 
-Each node of the testbed (mpipipe/testbed.py) is a network namespace with its own link
+Each node of the testbed (mpipipe/core/testbed.py) is a network namespace with its own link
 shaped by ``tc tbf`` (rate only: no delay or loss) and a cgroup CPU quota, so a rank's
 compute is the same in every run whatever else runs: the plain pipeline, ResPipe and
 the single host all compute at the same fixed share. ResPipe jobs get 7 nodes of

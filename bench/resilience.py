@@ -16,7 +16,7 @@ because the machine is shared and noisy:
   plain pipeline's, minus 1; the fastest of `--repeat` interleaved runs of each,
   so that other processes slowing a whole job do not count. The plain pipeline
   runs with the same world size (``baseline_ranks``: its 3 stages and 3 spare
-  ranks that idle outside the route, mpipipe/spare.py), so the overhead does not
+  ranks that idle outside the route, mpipipe/core/spare.py), so the overhead does not
   count fewer processes sharing the cores as a saving. ``*_median`` give the
   former figure (median step time, which with R=10 never sees a replica) for
   comparison
