@@ -485,3 +485,16 @@ def test_role_kinds_are_declared_by_each_system_not_known_to_the_core(monkeypatc
     source = Path(roles.__file__).read_text()
     literals = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant)}
     assert not literals & set(kinds), literals & set(kinds)
+
+
+def test_every_package_directory_is_installed():
+    """pyproject.toml lists packages by name, so a new subpackage (mpipipe/core, ...) left
+    out of the list would be missing from a wheel while an editable install still works."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts)
+             for top in ("native", "mpipipe", "stannis") for p in (root / top).rglob("__init__.py")}
+    assert found == listed, f"pyproject.toml [tool.setuptools] packages: add {found - listed}, drop {listed - found}"
