@@ -9,6 +9,7 @@ from mpipipe.core.cli import add_train_arguments, planned_steps, start_run
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from mpipipe.pipeline.plan import pipeline_plan
 from mpipipe.pipeline.schedule import SCHEDULES
+from mpipipe.respipe.placement import check_hosts
 
 __all__ = ["add_parser", "main"]
 
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
 
     run = start_run(args, prog=PROG, system="mpipipe", defaults=PIPELINE_DEFAULTS,
                     choices=PIPELINE_CHOICES, build_plan=pipeline_plan,
-                    total_steps=planned_steps)
+                    total_steps=planned_steps, check_hosts=check_hosts)
     with set_aside(run) as run:
         if run is None:
             return 0  # a spare rank: it idled until the job ended

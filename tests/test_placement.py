@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from mpipipe.core.config import load_config
-from mpipipe.core.placement import check_placement, guards
 from mpipipe.core.roles import PlanError
 from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 from mpipipe.pipeline.plan import pipeline_plan
+from mpipipe.respipe.placement import check_placement, guards
 
 
 def plan_of(*settings: str, world: int):

@@ -15,14 +15,13 @@ import argparse
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mpipipe.core.config import ConfigError, load_config
 from mpipipe.core.faults import FaultError, check_nodes, check_reachable, parse_all
-from mpipipe.core.placement import check_placement
 from mpipipe.core.progress import Progress, startup_line
 from mpipipe.core.roles import LaunchPlan, PlanError, check_world_size, fail_fast
 from mpipipe.core.runlog import LogError, RunLog
@@ -160,8 +159,13 @@ def start_run(
     inject_key: tuple[str, str] = ("resilience", "inject"),
     emulation: Callable[[dict, LaunchPlan], Mapping[str, Any]] | None = None,
     total_steps: Callable[[dict], int] = lambda cfg: cfg["run"]["steps"],
+    check_hosts: Callable[[LaunchPlan, Sequence[str], dict], None] | None = None,
 ) -> Run:
     """Check the world, the configuration, the plan and the faults; then open the log.
+
+    ``check_hosts(plan, hosts, cfg)`` is the system's own check of where its ranks run
+    (ResPipe: a backup off its stage's node, :mod:`mpipipe.respipe.placement`); it raises
+    :class:`PlanError`.
 
     Exits 2 on any error, on every rank, with one line; nothing is written before
     every check has passed, and an existing log is left as it was unless the user
@@ -192,11 +196,12 @@ def start_run(
         check_faults(cfg, plan, list(cfg[section][key]), total)
     except (ConfigError, PlanError, FaultError) as e:
         fail_fast(comm, e, prog, rank)
-    # Each rank's node: a replica on the node of what it guards is refused (placement.py),
-    # and a node fault must name a testbed node some rank runs on (inject.check_nodes).
+    # Each rank's node: the system checks where its ranks run (check_hosts), and a node
+    # fault must name a testbed node some rank runs on (faults.check_nodes).
     hosts = comm.allgather(socket.gethostname())
     try:
-        check_placement(plan, hosts, cfg.get("resilience", {}))
+        if check_hosts is not None:
+            check_hosts(plan, hosts, cfg)
         check_nodes(parse_all(cfg[section][key]), hosts, plan)
     except (PlanError, FaultError) as e:
         fail_fast(comm, e, prog, rank)

@@ -15,7 +15,7 @@ from typing import Any
 
 from mpipipe.core.roles import LaunchPlan, PlanError
 
-__all__ = ["guards", "check_placement"]
+__all__ = ["guards", "check_placement", "check_hosts"]
 
 
 def guards(plan: LaunchPlan, mode: str) -> list[tuple[int, int, str]]:
@@ -54,3 +54,8 @@ def check_placement(plan: LaunchPlan, hosts: Sequence[str], resilience: Mapping[
                 f"ranks {guard} and {guarded} are both on node {hosts[guard]} but {why}: a failure of "
                 f"that node would lose both. Place them on different nodes (rank order fills the "
                 f"hostfile's slots; see [plan]), or set resilience.allow_same_node = true")
+
+
+def check_hosts(plan: LaunchPlan, hosts: Sequence[str], cfg: Mapping[str, Any]) -> None:
+    """:func:`check_placement` with a run's whole configuration (``start_run``'s hook)."""
+    check_placement(plan, hosts, cfg.get("resilience", {}))
