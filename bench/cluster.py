@@ -18,7 +18,7 @@ median is reported. A step time is the mean time per step of a run after its fir
 - overhead_r10 / overhead_hot: ResPipe (cold R=10 / hot R=10, one backup per stage on
   nodes of their own) over the plain pipeline on the same nodes at 100 Mbit/s, step time
   ratio minus 1, per repeat (interleaved: plain, cold, hot), median; *_spread max - min.
-- cost_time_error: mpipipe.respipe.costmodel.link_bytes (each rank's bytes per step) turned into
+- cost_time_error: mpipipe.respipe.costmodel.predict(...).links (each rank's bytes per step) turned into
   time by costmodel.step_seconds: compute + the busiest link's activation and gradient
   bytes / rate, or the busiest link's bytes / rate if longer (replicas and hot relays
   are sent without waiting and drain while the stages compute). Compute is the plain
@@ -277,9 +277,9 @@ def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) ->
     backups = dict.fromkeys(range(rsl.STAGES), 1)
 
     def links(mode: str, r: int) -> dict[str, tuple[float, float]]:
-        return costmodel.link_bytes(shapes, batch_size=rsl.BATCH, backups={} if mode == "plain" else backups,
-                                    replicate_every=max(r, 1), mode="cold" if mode == "plain" else mode,
-                                    label_bytes=8, input_bytes=in_bytes)
+        return costmodel.predict(shapes, batch_size=rsl.BATCH, backups={} if mode == "plain" else backups,
+                                 replicate_every=max(r, 1), mode="cold" if mode == "plain" else mode,
+                                 label_bytes=8, input_bytes=in_bytes).links
 
     fastest = max(rate for (_, _, rate) in times)
     critical = links("plain", 1)

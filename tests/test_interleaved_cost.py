@@ -41,7 +41,7 @@ def test_link_bytes_of_interleaved_wrap_from_the_last_rank_to_the_first():
     flat, _ = costmodel.stage_shapes(chunks, (1, 8, 8), "sgd", 0.9)
     grouped, _ = costmodel.stage_shapes(chunks, (1, 8, 8), "sgd", 0.9, stages=2)
     batch = 16
-    links = costmodel.link_bytes(grouped, batch_size=batch, backups={1: 1}, label_bytes=8)
+    links = costmodel.predict(grouped, batch_size=batch, backups={1: 1}, label_bytes=8).links
     a = [batch * s.act_out for s in flat]  # chunk c -> c + 1 (rank c % 2 -> (c + 1) % 2)
     # rank 0: activations of chunks 0 and 2, the gradient into chunk 1 (from chunk 2), labels
     sent0 = a[0] + a[2] + a[1] + 8 * batch

@@ -134,8 +134,8 @@ def test_hot_adds_the_relayed_streams_and_loses_nothing():
 def test_link_bytes_put_each_payload_on_its_two_ends_and_add_up_to_predict(mode):
     kw = dict(batch_size=8, backups={0: 1, 1: 2, 2: 1}, replicate_every=10, mode=mode,
               label_bytes=8, input_bytes=256)
-    links = costmodel.link_bytes(STAGES, **kw)
-    total = costmodel.predict(STAGES, **kw).total
+    cost = costmodel.predict(STAGES, **kw)
+    links, total = cost.links, cost.total
     assert sum(sent for sent, _ in links.values()) == pytest.approx(total)
     assert sum(got for _, got in links.values()) == pytest.approx(total)
     # Stage 1 sends 8 x 100 forward and 8 x 400 of gradients back, plus its replicas.

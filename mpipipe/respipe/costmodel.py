@@ -46,7 +46,6 @@ __all__ = [
     "state_bytes",
     "stage_shapes",
     "trade_off",
-    "link_bytes",
     "step_seconds",
     "shapes_from_config",
     "MODES",
@@ -92,6 +91,8 @@ class Cost:
     per_holder: Mapping[int, float] = field(default_factory=dict)
     replica_round: int = 0
     replicate_every: int = 1
+    # Average payload bytes per step each rank sends and receives, by role (see _links).
+    links: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def at_step(self, step: int) -> int:
         """Exact payload bytes of optimizer step ``step`` (1-based, as the log counts).
@@ -225,8 +226,9 @@ def predict(
         shadow += sh
         per_holder[k] = rep + sh
     lost = lost_updates(replicate_every, mode) if backups else 0
+    links = _links(stages, backups, batch_size, replicate_every, mode, label_bytes, input_bytes)
     return Cost(pipeline, labels, replica, shadow, lost, per_holder, replica_round,
-                replicate_every)
+                replicate_every, links)
 
 
 def trade_off(
@@ -251,16 +253,9 @@ def trade_off(
     return rows
 
 
-def link_bytes(
-    stages: Sequence[StageShape],
-    *,
-    batch_size: int,
-    backups: Mapping[int, int] | None = None,
-    replicate_every: int = 1,
-    mode: str = "cold",
-    label_bytes: int = 0,
-    input_bytes: int = 0,
-) -> dict[str, tuple[float, float]]:
+def _links(stages: Sequence[StageShape], backups: Mapping[int, int], batch_size: int,
+           replicate_every: int, mode: str, label_bytes: int, input_bytes: int,
+           ) -> dict[str, tuple[float, float]]:
     """Average payload bytes per step that each rank sends and receives, by rank role.
 
     Why: a testbed gives every rank a node with a link of its own, so what limits a
@@ -268,13 +263,9 @@ def link_bytes(
     roles are ``stage K``, ``backup K.I`` (cold and hot: the I-th backup of stage K on
     a node of its own). In neighbour mode stage k-1 holds stage k's replica (stage 1
     holds stage 0's), as ResPipe places it. The sends of all roles add up to
-    :func:`predict`'s ``total``.
-
-    Raises:
-        ValueError: as :func:`predict`.
+    :func:`predict`'s ``total``; :func:`predict` calls it with checked arguments and
+    keeps the result as ``Cost.links``.
     """
-    backups = {int(k): int(v) for k, v in (backups or {}).items() if int(v) > 0}
-    _check(stages, backups, replicate_every, mode, batch_size)
     k_last = len(stages) - 1
     out: dict[str, list[float]] = {f"stage {k}": [0.0, 0.0] for k in range(len(stages))}
 
@@ -311,14 +302,14 @@ def step_seconds(links: Mapping[str, tuple[float, float]], *, link_mbit: float, 
                  critical: Mapping[str, tuple[float, float]] | None = None) -> float:
     """The cost model turned into time: compute, plus bytes at the link rate.
 
-    Why: the bytes of :func:`link_bytes` say nothing about time until a link rate is
+    Why: the bytes of ``Cost.links`` say nothing about time until a link rate is
     given. On a testbed every node's link runs at ``link_mbit`` in each direction (sent
     and received are shaped apart), so what counts is the most loaded direction of one
     link. Two readings:
 
     - ``critical`` not given: compute plus the busiest link's bytes of ``links`` at the
       rate, as if nothing overlapped (every byte waited for);
-    - ``critical`` given (the plain pipeline's :func:`link_bytes`: activations, their
+    - ``critical`` given (the plain pipeline's ``Cost.links``: activations, their
       gradients, labels, which a stage waits for): compute plus the busiest link's
       critical bytes, or the busiest link's bytes of ``links`` at the rate if that is
       longer. The rest (replicas, hot relays) is sent without waiting for the receiver
