@@ -50,14 +50,14 @@ class Schedule:
     """A registered schedule: its builder and what it is for.
 
     `virtual` is False for schedules that run one chunk per rank (v must be 1), True for
-    schedules that need v >= 2 chunks per rank (a balance of v x K entries).
+    schedules that need v >= 2 chunks per rank (a balance of v x K entries; ResPipe's hot
+    and neighbour modes, which work on one chunk per rank, refuse them).
     """
 
     name: str
     build: Builder
     description: str
     virtual: bool = False
-    resumable: bool = True  # ResPipe's hot mode can finish an interrupted step of it
 
 
 def _check(rank: int, k: int, v: int, m: int) -> None:
@@ -137,7 +137,7 @@ REGISTRY: dict[str, Schedule] = {s.name: s for s in (
              "gpipe, at most K in flight"),
     Schedule("interleaved-1f1b", interleaved_1f1b, "1F1B over v chunks per rank (balance "
              "of v x K entries, chunks a multiple of K): a smaller bubble, v times the "
-             "messages", virtual=True, resumable=False),
+             "messages", virtual=True),
 )}
 
 SCHEDULES: tuple[str, ...] = tuple(REGISTRY)  # the choices of pipeline.schedule

@@ -33,6 +33,7 @@ class Settings:
         """
         from mpipipe.core.faults import parse_all
         from mpipipe.pipeline.plan import backup_counts
+        from mpipipe.pipeline.schedule import get as get_schedule
 
         sec = cfg["resilience"]
         r = int(sec["replicate_every"])
@@ -45,7 +46,8 @@ class Settings:
         if sec["mode"] == "neighbour" and backup_counts(sec.get("backups", {}), stages):
             raise ValueError("resilience.mode = \"neighbour\" needs no backup ranks (each "
                              "stage's neighbour holds its replica): set resilience.backups = {}")
-        if sec["mode"] != "cold" and (sched := cfg.get("pipeline", {}).get("schedule")) == "interleaved-1f1b":
+        sched = cfg.get("pipeline", {}).get("schedule")
+        if sec["mode"] != "cold" and sched is not None and get_schedule(sched).virtual:
             raise ValueError(f'resilience.mode = "{sec["mode"]}" runs one chunk per rank: '
                              f'schedule "{sched}" needs resilience.mode = "cold"')
         # Whether each fault can fire was checked at start-up (cli.check_faults).
