@@ -417,25 +417,38 @@ class Trainer:
 
     # -- failures -----------------------------------------------------------------------
     def _recover_until_stable(self, error: BaseException, attempts: int = 4, *,
-                              replan: bool = True) -> None:
-        """Recover, and recover again if another rank fails during the recovery."""
+                              replan: bool = True, agreed: bool = False) -> None:
+        """Recover, and recover again if another rank fails during the recovery.
+
+        ``agreed``: the caller has just taken part in an agreement on this communicator
+        (the end of a phase, :func:`mpipipe.core.ft.agreed_phase`), which stands for the recovery's own.
+        """
         for attempt in range(attempts):
             try:
-                self._recover(error, replan=replan)
+                self._recover(error, replan=replan, agreed=agreed and attempt == 0)
                 return
             except MPI.Exception as e:
                 if attempt == attempts - 1:
                     raise
                 error = e
 
-    def _recover(self, error: BaseException, *, replan: bool = True) -> None:
+    def _recover(self, error: BaseException, *, replan: bool = True, agreed: bool = False) -> None:
         """Drop the dead CSDs (ULFM shrink), resync from the host and re-balance.
+
+        Every way into a recovery takes part in exactly one agreement before the shrink:
+        here (after the revoke, which makes every other survivor fail out of whatever it
+        waits in) or, with ``agreed``, at the end of a phase (:func:`~mpipipe.core.ft.agreed_phase`). So a
+        rank that recovers from an error inside the last step and a rank that finished
+        that step and agreed on the end of training meet in the same agreement, then in
+        the same shrink, instead of waiting in different collectives for ever.
 
         ``replan=False`` during the benchmark phase: there are no step models to
         balance with yet; the survivors benchmark again and plan from that.
         """
         t0 = time.perf_counter()
         ft.revoke(self.comm.comm)
+        if not agreed:
+            ft.agree(self.comm.comm, 0)
         new = ft.shrink(self.comm.comm)
         survivors = list(new.Get_group().Translate_ranks(list(range(new.Get_size())),
                                                          self.world_group))
@@ -477,41 +490,29 @@ class Trainer:
         if replan:
             self._share_plan()
 
+    def _start_once(self) -> None:
+        """Share the host's state, benchmark (when tuning), plan and share the first batches."""
+        self._sync_from_host()
+        if self.cfg["stannis"]["tune"]:
+            self.benchmark()
+        if self.is_host:
+            self._plan_batches("start" if self.cfg["stannis"]["tune"] else "equal batches")
+        self._share_plan()
+
     def _start(self) -> None:
-        """Share the host's state, benchmark (when tuning), plan and share the first
-        batches, with every survivor.
+        """Start every survivor alike (:meth:`_start_once`, then an agreement).
 
         A CSD that dies in this phase (ULFM) is dropped and the survivors start it
-        over. The phase ends in an agreement because a collective may report a
-        failure to some ranks and complete on others; ``Agree`` tells all of them
-        alike, so no rank starts training while another benchmarks again. A rank
-        that saw an error revokes the communicator first, so that none stays
-        blocked in a collective the others have left.
+        over; the agreement ends the phase so that no rank starts training while
+        another benchmarks again.
         """
-        s = self.cfg["stannis"]
         for attempt in range(START_ATTEMPTS):
-            error: MPI.Exception | None = None
-            try:
-                self._sync_from_host()
-                if s["tune"]:
-                    self.benchmark()
-                if self.is_host:
-                    self._plan_batches("start" if s["tune"] else "equal batches")
-                self._share_plan()
-            except MPI.Exception as e:
-                if not ft.ulfm_enabled():
-                    raise
-                error = e
-                ft.revoke(self.comm.comm)
-            if not ft.ulfm_enabled():
-                return
-            everyone_ok, uniform = ft.agree(self.comm.comm, int(error is None))
-            if everyone_ok and uniform:
+            error = ft.agreed_phase(self.comm.comm, self._start_once)
+            if error is None:
                 return
             if attempt == START_ATTEMPTS - 1:
-                raise error or RuntimeError("the start-up phase failed on another rank")
-            self._recover_until_stable(error or RuntimeError("a peer failed at start-up"),
-                                       replan=False)
+                raise error
+            self._recover_until_stable(error, replan=False, agreed=True)
 
     # -- the loop -----------------------------------------------------------------------
     def train(self) -> None:
@@ -530,7 +531,17 @@ class Trainer:
         self.comm.take()
         self.t_train = time.perf_counter()  # samples/s in the summary counts training only
         eval_every = cfg["run"]["eval_every"]
-        while self.step < steps:
+        while True:
+            if self.step >= steps:
+                # The end is a phase of its own: the last step's plan broadcast may fail
+                # on the host after the others left it (seen on the testbed after a
+                # node-kill), so every survivor agrees that training is over.
+                error = ft.agreed_phase(self.comm.comm, self.flush_figures)
+                if error is None:
+                    break
+                self._recover_until_stable(error, agreed=True)
+                self._cycle = None
+                continue
             try:
                 self._one_step(steps, s, o)
             except MPI.Exception as e:
@@ -546,7 +557,6 @@ class Trainer:
             if self.is_host and eval_every and self.step % eval_every == 0 and \
                     self.step < steps:
                 self.evaluate()
-        self.flush_figures()
         if self.is_host:
             accuracy = self.evaluate()
             self._summary(accuracy)
@@ -741,6 +751,16 @@ def main(args: argparse.Namespace) -> int:
     except HostLost as e:
         print(f"{PROG}: error: {e}", flush=True)
         return 1
+    except MPI.Exception as e:
+        # A failure the recovery could not get past (without ULFM, any): say so and leave
+        # at once, without MPI_Finalize. A rank that exits with an error makes mpirun end
+        # the job, where a rank that waits for the others at its end would hang it.
+        if trainer is not None:
+            trainer.log.drain()
+        run.log.close(f"failed: mpi: {e}")
+        print(f"{PROG}: error: rank {run.rank}: an MPI failure stopped the run: {e}",
+              file=sys.stderr, flush=True)
+        stop.flush_and_exit(1)
     run.log.close()
     if len(trainer.members) < run.size:
         # A CSD was dropped: under ULFM, MPI_Finalize runs an agreement over the whole

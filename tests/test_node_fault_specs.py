@@ -131,3 +131,13 @@ def test_a_relaunch_can_be_kept_to_some_testbed_nodes_in_order() -> None:
         mpirun_command(3, "-m", "x", testbed=bed, nodes=["d"])
     with pytest.raises(TestbedError, match="give the testbed"):
         mpirun_command(3, "-m", "x", nodes=["a"])
+
+
+def test_a_node_quota_runs_in_short_slices_unless_under_the_kernel_minimum() -> None:
+    """10 ms periods (a node at 0.28 core stalled up to 72 ms at a time with 100 ms ones);
+    under 0.1 core a 10 ms period would need a quota under the kernel's 1 ms."""
+    from mpipipe.core.testbed import period_us
+
+    assert period_us(0.5) == period_us(0.125) == period_us(0.1) == 10_000
+    assert period_us(0.05) == period_us(0.01) == 100_000
+    assert all(period_us(c) * c >= 1000 for c in (0.01, 0.05, 0.099, 0.1, 0.125, 1.0, 2.0))

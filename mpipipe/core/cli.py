@@ -12,7 +12,9 @@ says ``--overwrite`` (or ``--resume``, which continues it).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -173,6 +175,9 @@ def start_run(
     """
     from mpi4py import MPI
 
+    # A job that seems stuck can be asked where: mpirun forwards SIGUSR2 to every rank,
+    # and each prints its Python stack to stderr and goes on (run_mpi does this on a time-out).
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     # The one check whose verdict can differ between ranks (it reads each rank's launcher

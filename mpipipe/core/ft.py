@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "revoke",
     "shrink",
     "agree",
+    "agreed_phase",
     "failed_ranks",
     "lost_ranks",
 ]
@@ -109,6 +111,36 @@ def agree(comm: Any, flag: int = 1) -> tuple[int, bool]:
                 pass
             return int(flag), False
         raise
+
+
+def agreed_phase(comm: Any, work: Callable[[], None]) -> BaseException | None:
+    """Run ``work`` (a phase's collectives on ``comm``), then agree whether every survivor
+    completed it: None if all did, else the error to recover from, on every survivor alike.
+
+    Why: a collective may fail on some ranks and complete on others (the root of a gather
+    or a broadcast learns of a failure the others have already left behind), so a rank
+    cannot tell from its own call whether the phase is over. A rank that saw an error
+    revokes ``comm`` first, so that none stays blocked in a collective the others have
+    left; then ``Agree`` gives each survivor the same verdict. Without ULFM the error
+    is raised (a dead rank ends the job anyway).
+
+    Raises:
+        MPI.Exception: ``work``'s error, when ULFM is off.
+    """
+    error: BaseException | None = None
+    try:
+        work()
+    except Exception as e:  # noqa: BLE001 - MPI errors only, re-raised otherwise
+        if error_class(e) is None or not ulfm_enabled():
+            raise
+        error = e
+        revoke(comm)
+    if not ulfm_enabled():
+        return None
+    everyone_ok, uniform = agree(comm, int(error is None))
+    if everyone_ok and uniform:
+        return None
+    return error or RuntimeError("the phase failed on another rank")
 
 
 def failed_ranks(comm: Any) -> list[int]:

@@ -20,7 +20,7 @@ from typing import Any
 from mpipipe.core.testbed import Testbed, TestbedError, current
 from mpipipe.core.testbed import mpirun_args as testbed_mpirun_args
 
-__all__ = ["ROOT", "mpirun_env", "mpirun_command", "start_mpi", "kill_job", "run_mpi"]
+__all__ = ["ROOT", "mpirun_env", "mpirun_command", "start_mpi", "kill_job", "run_mpi", "JobTimeout"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,6 +112,22 @@ def kill_job(job: subprocess.Popen, within_s: float = 10.0) -> None:
     job.wait()
 
 
+STACKS_WAIT_S = 5.0  # after a time-out, how long the ranks get to print their stacks
+
+
+class JobTimeout(subprocess.TimeoutExpired):
+    """A job that outlived its time limit; its message ends with what the job printed
+    (the ranks' stacks among it), so a hang in CI says where it hung."""
+
+    def __str__(self) -> str:
+        def tail(text: str | bytes | None, n: int) -> str:
+            text = text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
+            return text[-n:]
+
+        return (f"{super().__str__()}\n--- the job's stdout, last lines ---\n{tail(self.stdout, 2000)}"
+                f"\n--- its stderr (each rank's stack, after SIGUSR2) ---\n{tail(self.stderr, 8000)}")
+
+
 def run_mpi(
     n: int,
     argv: Sequence[str],
@@ -126,21 +142,28 @@ def run_mpi(
     """Run ``python ARGV`` on ``n`` ranks and capture its output.
 
     Raises:
-        subprocess.TimeoutExpired: the job outlived ``timeout`` (every rank is killed;
-            the exception carries what the job printed), so a hang fails the caller
-            instead of blocking it or leaving ranks behind.
+        JobTimeout: the job outlived ``timeout``. Every rank is first asked for its
+            Python stack (SIGUSR2), then killed; the exception's message ends with what
+            the job printed, so a hang fails the caller, says where, and leaves no rank
+            behind.
     """
     job = start_mpi(n, argv, ulfm=ulfm, env=env, cwd=cwd, testbed=testbed, nodes=nodes, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, text=True)
     try:
         out, err = job.communicate(timeout=timeout)
     except BaseException as e:
+        if isinstance(e, subprocess.TimeoutExpired):  # where is each rank stuck?
+            job.send_signal(signal.SIGUSR2)  # mpirun forwards it; cli.start_run prints stacks
+            try:
+                job.communicate(timeout=STACKS_WAIT_S)  # (communicate keeps what it read)
+            except subprocess.TimeoutExpired:
+                pass
         kill_job(job)
         try:
             out, err = job.communicate(timeout=10)
         except subprocess.TimeoutExpired:  # a process outside the session holds the pipes
             out, err = "", ""
         if isinstance(e, subprocess.TimeoutExpired):
-            e.stdout, e.stderr = out, err
+            raise JobTimeout(job.args, timeout, out, err) from None
         raise
     return subprocess.CompletedProcess(job.args, job.returncode, out, err)

@@ -14,7 +14,7 @@ A node is
     node sends) and one on the host end (what it receives). ``netem`` is not available
     on the machines this was built on, so there is no delay or loss, only rate;
   - a CPU budget: a cgroup ``mpt-NODE`` with a CPU quota (``cpu.cfs_quota_us`` under
-    cgroup v1, ``cpu.max`` under v2);
+    cgroup v1, ``cpu.max`` under v2) of a short period (:func:`period_us`);
   - a hostname ``mpt-NODE`` in a UTS namespace of each process started on it (Open MPI
     needs distinct hostnames, or its first exchange across nodes hangs), and a line in
     ``/etc/hosts`` so that ``mpirun`` on the host finds it.
@@ -62,7 +62,20 @@ HOSTS = Path("/etc/hosts")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 AGENT = Path(__file__).resolve().parents[2] / "jobs" / "testbed" / "rsh-agent"
 TOOLS = ("ip", "tc", "nsenter", "unshare")
-PERIOD_US = 100_000
+# The CFS period of a node's quota. Short, so that a node at a fraction of a core runs in
+# short slices rather than stalling for most of a long period once its share is used (at
+# 100 ms, a node at 0.28 core stalled up to 72 ms at a time, which showed in every step
+# time). The kernel wants a quota of at least 1 ms, so nodes under 0.1 core get the long
+# period.
+PERIOD_US = 10_000
+LONG_PERIOD_US = 100_000
+MIN_QUOTA_US = 1_000
+
+
+def period_us(cpu: float) -> int:
+    """The CFS period of a node of ``cpu`` cores: :data:`PERIOD_US`, or :data:`LONG_PERIOD_US`
+    where the short one would give a quota under the kernel's 1 ms."""
+    return PERIOD_US if cpu * PERIOD_US >= MIN_QUOTA_US else LONG_PERIOD_US
 # A node's name becomes the host end of its veth, "mpt-" + name: Linux allows 15 characters.
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,10}$")
 NODE_KEYS = {"cpu", "link_mbit", "slots"}
@@ -175,7 +188,7 @@ def load(path: str | os.PathLike) -> Testbed:
                 raise TestbedError(f"{at}: {key} is missing (cpu: cores, e.g. 0.125; link_mbit: Mbit/s, e.g. 100)")
             if isinstance(spec[key], bool) or not isinstance(spec[key], int | float) or spec[key] <= 0:
                 raise TestbedError(f"{at}.{key} = {spec[key]!r}: must be a number above 0")
-        if spec["cpu"] * PERIOD_US < 1000 or spec["cpu"] > cores:
+        if spec["cpu"] * LONG_PERIOD_US < MIN_QUOTA_US or spec["cpu"] > cores:
             raise TestbedError(f"{at}.cpu = {spec['cpu']}: must be between 0.01 and {cores} "
                                f"(the cores of this machine)")
         if not 0.1 <= spec["link_mbit"] <= 100_000:
@@ -234,12 +247,14 @@ def _cgroup_parent() -> Path | None:
 
 
 def _set_cpu(group: Path, cpu: float) -> None:
-    quota = round(cpu * PERIOD_US)
+    period = period_us(cpu)
+    quota = round(cpu * period)
     if (group / "cpu.cfs_quota_us").exists():
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text("-1")  # a quota above the new period is refused
+        (group / "cpu.cfs_period_us").write_text(str(period))
         (group / "cpu.cfs_quota_us").write_text(str(quota))
     else:
-        (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+        (group / "cpu.max").write_text(f"{quota} {period}")
 
 
 def _tbf(mbit: float) -> list[str]:

@@ -18,12 +18,7 @@ from mpipipe.respipe.control import _DEMOTED
 from mpipipe.respipe.decide import stage_holders
 
 MIN_DEADLINE_S = 0.008  # floor of a deadline set in median step times
-_DEBUG = bool(os.environ.get("MPIPIPE_DEBUG_ROUNDS"))
-if _DEBUG:
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack
+_DEBUG = bool(os.environ.get("MPIPIPE_DEBUG_ROUNDS"))  # (stacks: kill -USR2 mpirun, see cli.start_run)
 
 
 class StageLost(RuntimeError):

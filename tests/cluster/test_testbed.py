@@ -36,8 +36,11 @@ def test_three_nodes_come_up(bed: testbed.Testbed) -> None:
         group = _in_node(bed, node.name, "cat", "/proc/self/cgroup")
         assert f"/{node.host}" in group
         quota = Path(f"/sys/fs/cgroup/cpu/{node.host}/cpu.cfs_quota_us")
-        if quota.exists():
-            assert quota.read_text().strip() == "50000"
+        if quota.exists():  # half a core: 5 ms of each 10 ms period
+            assert quota.read_text().strip() == "5000"
+            assert (quota.parent / "cpu.cfs_period_us").read_text().strip() == "10000"
+        else:
+            assert Path(f"/sys/fs/cgroup/{node.host}/cpu.max").read_text().split() == ["5000", "10000"]
         rate = "100Mbit" if node.name == "c" else "1Gbit"
         assert f"rate {rate}" in _in_node(bed, node.name, "tc", "qdisc", "show", "dev", "eth0")
         host_end = subprocess.run(["tc", "qdisc", "show", "dev", node.host], capture_output=True, text=True)
