@@ -7,11 +7,14 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
 from mpipipe.core.statecodec import pack_state, unpack_state
 from mpipipe.core.transport import pause
+
+from .config import EXCHANGES
 
 
 def broadcast_state(comm: Any, params: Sequence[torch.nn.Parameter],
@@ -27,6 +30,12 @@ def broadcast_state(comm: Any, params: Sequence[torch.nn.Parameter],
     flat = pack_state(params, optimizer, optim, momentum).contiguous()
     comm.Bcast([flat.numpy(), MPI.FLOAT], root=root)
     unpack_state(flat, params, optimizer, optim, momentum, steps_taken)
+
+
+# Tags of the star exchange (bucket k: UP_TAG + k, DOWN_TAG + k), apart from every other
+# point-to-point message on the communicator (Stannis sends none).
+UP_TAG = 1 << 20
+DOWN_TAG = 2 << 20
 
 
 class WeightedAllreduce:
@@ -45,11 +54,26 @@ class WeightedAllreduce:
 
     A rank whose batch is empty passes ``weight=0`` (its gradients may be
     ``None``) and still takes part in every collective.
+
+    ``exchange`` picks the route of the sums:
+
+    - ``"allreduce"``: MPI's own ``Iallreduce`` (ring or recursive doubling), best when
+      every rank's link is as fast as every other's;
+    - ``"host"``: through rank ``root`` (Stannis's host), a star: every other rank sends
+      its buckets to the root, which adds them and sends the sums back. Each CSD's link
+      carries its gradients once each way and nothing else, in two hops. Measured on
+      the testbed (a 1000 Mbit/s host, four 100 Mbit/s CSDs at an eighth of a core;
+      LeNet's 248 KB): 24 ms against 68 ms for ``Iallreduce``, whose rounds cross the
+      slow links several times and wait each time for a CSD's next CPU slice. The root
+      holds ``size - 1`` receive buffers of one bucket.
     """
 
     def __init__(self, comm: MPI.Comm, params: Iterable[torch.nn.Parameter],
-                 bucket_bytes: int = 4 << 20) -> None:
+                 bucket_bytes: int = 4 << 20, exchange: str = "allreduce", root: int = 0) -> None:
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
         self.comm = comm
+        self.exchange, self.root = exchange, root
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("WeightedAllreduce needs at least one parameter that requires grad")
@@ -75,6 +99,8 @@ class WeightedAllreduce:
         self.bytes_sent = 0
         self.calls = 0
         self.wait_s = 0.0
+        self._down: Any = None  # the star's buffers, made on first use (see _through_root)
+        self._parts: Any = None
 
     @property
     def payload_bytes(self) -> int:
@@ -104,13 +130,16 @@ class WeightedAllreduce:
             else:
                 torch.mul(p.grad.reshape(-1), float(weight), out=flat[off:off + n])
         flat[-1] = float(weight)
-        requests = []
-        for start, stop in self.buckets:
-            view = self._buf[start:stop]
-            requests.append(self.comm.Iallreduce(MPI.IN_PLACE, [view, MPI.FLOAT], op=MPI.SUM))
-            self.bytes_sent += view.nbytes
-            self.calls += 1
-        self._wait([*alongside, *requests])
+        if self.exchange == "host" and self.comm.Get_size() > 1:
+            self._through_root(alongside)
+        else:
+            requests = []
+            for start, stop in self.buckets:
+                view = self._buf[start:stop]
+                requests.append(self.comm.Iallreduce(MPI.IN_PLACE, [view, MPI.FLOAT], op=MPI.SUM))
+                self.bytes_sent += view.nbytes
+                self.calls += 1
+            self._wait([*alongside, *requests])
         total = float(self._buf[-1])
         if total > 0:
             flat[:-1].div_(total)
@@ -122,6 +151,52 @@ class WeightedAllreduce:
             else:
                 p.grad.copy_(src)
         return total
+
+    def _through_root(self, alongside: Sequence[MPI.Request]) -> None:
+        """The star: buckets up to the root, summed there, and the sums back down.
+
+        The root takes the buckets one at a time (its receive buffers hold one bucket
+        per other rank), the others post everything at once. Sums go back in the send
+        buffer's own bucket on the root, and into a buffer of their own elsewhere (a
+        send's buffer may not be written while the send is pending).
+        """
+        comm, root = self.comm, self.root
+        others = [r for r in range(comm.Get_size()) if r != root]
+        if comm.Get_rank() != root:
+            down = self._down_buffer()
+            requests = [*alongside]
+            for k, (start, stop) in enumerate(self.buckets):
+                requests.append(comm.Isend([self._buf[start:stop], MPI.FLOAT], dest=root, tag=UP_TAG + k))
+                requests.append(comm.Irecv([down[start:stop], MPI.FLOAT], source=root, tag=DOWN_TAG + k))
+                self.bytes_sent += (stop - start) * 4
+                self.calls += 1
+            self._wait(requests)
+            self._buf[:] = down
+            return
+        width = max(stop - start for start, stop in self.buckets)
+        parts = self._root_buffer(len(others), width)
+        sends: list[MPI.Request] = []
+        for k, (start, stop) in enumerate(self.buckets):
+            n = stop - start
+            self._wait([comm.Irecv([parts[i, :n], MPI.FLOAT], source=r, tag=UP_TAG + k)
+                        for i, r in enumerate(others)])
+            view = self._buf[start:stop]
+            view += parts[:, :n].sum(axis=0)
+            sends += [comm.Isend([view, MPI.FLOAT], dest=r, tag=DOWN_TAG + k) for r in others]
+            self.bytes_sent += n * 4 * len(others)
+            self.calls += 1
+        self._wait([*alongside, *sends])
+
+    def _down_buffer(self) -> Any:
+        if self._down is None:
+            self._down = np.empty_like(self._buf)
+        return self._down
+
+    def _root_buffer(self, rows: int, width: int) -> Any:
+        parts = self._parts
+        if parts is None or parts.shape != (rows, width):  # (fewer rows once a CSD is dropped)
+            self._parts = parts = np.empty((rows, width), dtype=np.float32)
+        return parts
 
     def _wait(self, requests: list[MPI.Request]) -> None:
         start = time.perf_counter()

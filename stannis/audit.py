@@ -90,6 +90,17 @@ class AuditedComm:
         self._expect(n)
         return self.comm.Iallreduce(sendbuf, recvbuf, op=op)
 
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
+        n = _nbytes(buf)
+        self.sent += n
+        if self._expected is not None:
+            self._expected += n  # the PML counts an application's message once, at its sender
+        return self.comm.Isend(buf, dest=dest, tag=tag)
+
+    def Irecv(self, buf: Any, source: int, tag: int = 0) -> MPI.Request:
+        self.recv += _nbytes(buf)
+        return self.comm.Irecv(buf, source=source, tag=tag)
+
     def _count_gather(self, sendbuf: Any, recvbuf: Any, root: int) -> None:
         n = _nbytes(sendbuf)
         self.sent += n

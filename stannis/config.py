@@ -59,7 +59,11 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "settle_threshold": 0.1,
         "settle_min_gain": 0.03,
         "max_oversample": 2.0,  # a rank's batch share <= this x its share of the records (0: off)
-        "bucket_bytes": 4194304,  # gradient bytes per Iallreduce bucket
+        "bucket_bytes": 4194304,  # gradient bytes per exchange bucket
+        # how gradients are summed: "host" (a star through the host: every CSD link carries
+        # its gradients once each way; for CSDs behind the host's faster link) or
+        # "allreduce" (MPI's Iallreduce; for ranks on links of equal speed)
+        "exchange": "host",
         "inject": [],  # fault specs, as with --inject (target ranks: rank=R)
     },
     "host": {
@@ -83,11 +87,14 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
     "plan": {},  # explicit launch plan: "host" = 0, "csd 1" = 1, ...
 }
 
+EXCHANGES = ("host", "allreduce")  # WeightedAllreduce's routes (stannis.exchange)
+
 STANNIS_CHOICES: dict[str, tuple[str, ...]] = {
     "model.name": ("lenet", "vgg", "resnet"),
     "optim.name": ("sgd", "adam"),
     "optim.schedule": SCHEDULES,
     "stannis.objective": OBJECTIVES,
+    "stannis.exchange": EXCHANGES,
     "host.energy": SOURCES,
 }
 

@@ -147,7 +147,8 @@ class Trainer:
                                               weight_decay=o["weight_decay"])
         self.loss_fn = torch.nn.CrossEntropyLoss()
         self.reducer = WeightedAllreduce(self.comm, self.model.parameters(),
-                                         cfg["stannis"]["bucket_bytes"])
+                                         cfg["stannis"]["bucket_bytes"], exchange=cfg["stannis"]["exchange"],
+                                         root=0)  # the host: rank 0, before and after a shrink
         self.step = 0  # optimizer steps applied (the host's state is shared in _start)
 
         self.faults = FaultPlan(parse_all(cfg["stannis"]["inject"]), seed=seed, stage=None,

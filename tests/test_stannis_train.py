@@ -106,10 +106,12 @@ def test_csds_send_only_gradients_and_control(tuned_and_equal) -> None:
         sent = tuned.ranks[r]["bytes_sent"]
         assert len(sent) == len(tuned.steps["step"])
         assert (sent == grad_bytes + control_bytes).all(), (r, set(sent.tolist()))
-        # MPI's own count, under every communicator: the allreduces' payload (gradients
-        # and the 8-byte stop code) for each of the 4 others (Open MPI counts a gather at
-        # its root), and nothing unaudited
-        assert (tuned.ranks[r]["mpi_bytes"] == 4 * (grad_bytes + 8)).all(), r
+        # MPI's own count, under every communicator: the gradients sent once, to the host
+        # (stannis.exchange = "host"), and the 8-byte stop code's allreduce for each of the
+        # 4 others (Open MPI counts a gather at its root), and nothing unaudited
+        assert (tuned.ranks[r]["mpi_bytes"] == grad_bytes + 4 * 8).all(), r
+    # the host: the summed gradients back to each of the 4 CSDs, and its figures' gather
+    assert (tuned.ranks[0]["mpi_bytes"] > 4 * grad_bytes).all()
     for r in range(5):
         assert (tuned.ranks[r]["unaudited_bytes"] == 0).all(), r
     assert tuned.events_of("unaudited_traffic") == []

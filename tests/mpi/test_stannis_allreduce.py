@@ -24,7 +24,7 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _check(comm: MPI.Comm, sizes: list[int], bucket_bytes: int) -> None:
+def _check(comm: MPI.Comm, sizes: list[int], bucket_bytes: int, exchange: str = "allreduce") -> None:
     assert len(sizes) == comm.Get_size()
     x, y = _union_batch(sum(sizes))
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -38,7 +38,7 @@ def _check(comm: MPI.Comm, sizes: list[int], bucket_bytes: int) -> None:
     b = sizes[comm.Get_rank()]
     if b > 0:
         loss_fn(model(x[start:start + b]), y[start:start + b]).backward()
-    reducer = WeightedAllreduce(comm, model.parameters(), bucket_bytes=bucket_bytes)
+    reducer = WeightedAllreduce(comm, model.parameters(), bucket_bytes=bucket_bytes, exchange=exchange)
     total = reducer.reduce(b)
     assert total == sum(sizes)
     assert reducer.calls == len(reducer.buckets) > 1
@@ -49,19 +49,24 @@ def _check(comm: MPI.Comm, sizes: list[int], bucket_bytes: int) -> None:
 @pytest.mark.mpi(min_size=2)  # at one rank there is nothing to reduce
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bucket_bytes", [256, 1024, 4096])
-def test_unequal_batches_match_union_batch(bucket_bytes: int) -> None:
+@pytest.mark.parametrize("exchange", ["allreduce", "host"])
+def test_unequal_batches_match_union_batch(bucket_bytes: int, exchange: str) -> None:
     comm = MPI.COMM_WORLD
     sizes = [3 + 5 * r for r in range(comm.Get_size())]
-    _check(comm, sizes, bucket_bytes)
+    _check(comm, sizes, bucket_bytes, exchange)
+    _check(comm, sizes[::-1], bucket_bytes, exchange)  # again, with other batches: buffers reused
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_rank_with_empty_batch_contributes_nothing() -> None:
+@pytest.mark.parametrize("exchange", ["allreduce", "host"])
+def test_rank_with_empty_batch_contributes_nothing(exchange: str) -> None:
     comm = MPI.COMM_WORLD
     sizes = [7 + r for r in range(comm.Get_size())]
     sizes[1] = 0
-    _check(comm, sizes, 512)
+    _check(comm, sizes, 512, exchange)
+    sizes[0] = 0  # the root's own batch empty too: it still sums and sends
+    _check(comm, sizes, 512, exchange)
 
 
 @pytest.mark.mpi(min_size=4)  # two sub-communicators of at least two ranks each
@@ -71,16 +76,18 @@ def test_works_on_a_sub_communicator() -> None:
     sub = world.Split(world.Get_rank() % 2, world.Get_rank())
     try:
         _check(sub, [2 * r + 1 for r in range(sub.Get_size())], 300)
+        _check(sub, [2 * r + 1 for r in range(sub.Get_size())], 300, "host")
     finally:
         sub.Free()
 
 
 @pytest.mark.mpi(min_size=2)  # every rank's zero must reach the others
 @pytest.mark.timeout(60)
-def test_all_empty_gives_zero_gradient() -> None:
+@pytest.mark.parametrize("exchange", ["allreduce", "host"])
+def test_all_empty_gives_zero_gradient(exchange: str) -> None:
     comm = MPI.COMM_WORLD
     model = _model()
-    reducer = WeightedAllreduce(comm, model.parameters())
+    reducer = WeightedAllreduce(comm, model.parameters(), exchange=exchange)
     assert reducer.reduce(0) == 0
     assert all(p.grad.abs().max().item() == 0 for p in model.parameters())
 
