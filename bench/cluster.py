@@ -31,13 +31,16 @@ median is reported. A step time is the mean time per step of a run after its fir
 - restart_vs_respipe: the same node kill against the plain pipeline as users run it
   today (no ULFM; checkpoints every CKPT_EVERY steps): the job dies, is relaunched at
   once with --resume on n0, n2..n6 (the spare n6 in the dead node's place; no time for a
-  human or a scheduler is counted). Time lost = span from the first to the last step in
-  the run log (a resumed log keeps one time axis; the start-up both runs share is not in
-  it, the relaunch's is) minus the failure-free span of the same job. Figure = median
-  baseline time lost / median ResPipe time lost (ResPipe: kill run's span minus the span
-  of a failure-free cold R=10 run made just before it, as the baseline's kill run is
-  paired with its own failure-free run). restart_vs_respipe_paced (context): the
-  same ratio with each run's loss taken against its own pace (paced_loss_s).
+  human or a scheduler is counted). Time lost = a run's wall time beyond what it would
+  have taken without the failure, read off the run itself (paced_loss_s: its longest step
+  gap minus its mean gap over the others; a resumed log keeps one time axis, so the
+  death, the relaunch's start-up and the steps redone are one gap). Figure = median
+  baseline loss / median ResPipe loss. Why not against another, failure-free run: on
+  this machine two runs of the same job differ in pace by up to 10 %, 0.6 s over a run,
+  where ResPipe loses 0.03-0.05 s; that reading (each kill run's span minus the span of
+  a failure-free run made just before it) is printed as restart_vs_respipe_paired, and
+  its ResPipe losses come out negative as often as not. What a fault costs in the steps
+  after it is not in the figure (ResPipe's backup runs at its stage's share, as before).
 - stannis_vs_ship / stannis_tuned_vs_ideal: see bench/stannis.py's worker, here on a
   host node (1 core, 1000 Mbit/s) and 4 CSD nodes (an eighth of a core, 100 Mbit/s) with
   no modelled slow-down (csd.emulated = false): the CPU quota is the CSD's speed.
@@ -102,6 +105,9 @@ SIZES: dict[str, dict[str, Any]] = {
               "modes": ("cold", "hot"), "stannis": "quick"},
 }
 R = rsl.R  # the ResPipe jobs' replication interval where the issue says R=10
+# Open MPI's launcher failing before any rank starts (seen once in 55 jobs, under load):
+# the job is run once more, and the bench says so (``relaunched``).
+LAUNCH_FLAKE = "PMIx server's listener thread failed to start"
 CALIBRATE_MBIT = 100  # the cost model's compute term comes from plain runs at this rate and up
 
 
@@ -131,6 +137,7 @@ class Bench:
         self.work = work
         self.steps = steps
         self.failed: list[str] = []
+        self.relaunched: list[str] = []  # jobs whose mpirun failed to start and ran again
         self.count = 0
         self.repeat = 1
 
@@ -147,10 +154,15 @@ class Bench:
         cmd += ["--resume", str(resume)] if resume else ["--overwrite"]
         for s in sets:
             cmd += ["--inject", s[7:]] if s.startswith("inject:") else ["--set", s]
-        try:
-            result = run_mpi(rsl.RANKS, cmd, ulfm=ulfm, timeout=300 + 2 * self.steps, testbed=tb, nodes=nodes)
-        except subprocess.TimeoutExpired as e:
-            result = subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", e.stderr or "timed out")
+        for attempt in range(2):
+            try:
+                result = run_mpi(rsl.RANKS, cmd, ulfm=ulfm, timeout=300 + 2 * self.steps, testbed=tb, nodes=nodes)
+            except subprocess.TimeoutExpired as e:
+                result = subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", e.stderr or "timed out")
+            if attempt == 0 and LAUNCH_FLAKE in result.stderr:  # mpirun never started the job: again
+                self.relaunched.append(name)
+                continue
+            break
         if expect_ok and result.returncode != 0:
             tail = " | ".join(result.stderr.strip().splitlines()[-3:])
             self.failed.append(f"{name}: exit {result.returncode}: {tail}")
@@ -353,12 +365,14 @@ def node_kill(bench: Bench, size: dict[str, Any]) -> dict[str, Any]:
             "time_lost_respipe_runs": [round(x, 2) for x in lost_respipe],
             "time_lost_restart_runs": [round(x, 2) for x in lost_base],
             "restart_first_run": outcomes,
-            "restart_vs_respipe": base / res if res > 0 else math.nan,
-            # Context: each run's loss against its own pace (paced_loss_s), the same ratio.
+            # Each run's loss against its own pace (paced_loss_s): the figure. Against the
+            # span of a failure-free run made just before it: context, since the pace of
+            # two runs differs by more than ResPipe loses (often it comes out negative).
             "time_lost_paced_runs": {"respipe": [round(x, 2) for x in paced_respipe],
                                      "restart": [round(x, 2) for x in paced_base]},
-            "restart_vs_respipe_paced": median(paced_base) / median(paced_respipe)
-            if median(paced_respipe) > 0 else math.nan}
+            "restart_vs_respipe": median(paced_base) / median(paced_respipe)
+            if median(paced_respipe) > 0 else math.nan,
+            "restart_vs_respipe_paired": base / res if res > 0 else math.nan}
 
 
 # ------------------------------------------------------------------ Stannis
@@ -549,13 +563,15 @@ def print_table(figures: dict[str, Any], args: argparse.Namespace) -> None:
                   f"{r['serial_error']:>+8.1%}")
     for key in ("overhead_r10_runs", "overhead_hot_runs", "recovery_s_runs", "lost_updates_node_kill",
                 "time_lost_respipe_runs", "time_lost_restart_runs", "time_lost_paced_runs",
-                "restart_vs_respipe_paced", "restart_first_run", "link_mbit_measured",
+                "restart_vs_respipe_paired", "restart_first_run", "link_mbit_measured",
                 "stannis_tuned_sps", "stannis_ship_runs", "stannis_host_only_sps", "stannis_equal_sps",
                 "stannis_ideal_sps", "stannis_tuned_plan", "stannis_invalid"):
         if key in figures:
             print(f"  {key}: {figures[key]}")
     for line in figures.get("failed", []):
         print(f"  FAILED {line}")
+    if figures.get("relaunched"):
+        print(f"  mpirun failed to start and ran again: {', '.join(figures['relaunched'])}")
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -576,11 +592,12 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         times = respipe_grid(bench, size)
         figures.update(overheads(times))
         figures.update(cost_time(bench, times))
+    if args.only in (None, "respipe", "node-kill"):
         figures.update(node_kill(bench, size))
     if args.only in (None, "stannis"):
         figures.update(stannis(bench, size["stannis"]))
     figures.update(jobs=bench.count, wall_s=round(time.monotonic() - t0, 1), repeat=size["repeat"],
-                   steps=steps, cpu_per_node=CPU, failed=bench.failed,
+                   steps=steps, cpu_per_node=CPU, failed=bench.failed, relaunched=bench.relaunched,
                    size="quick" if args.quick else "full", load_avg=round(os.getloadavg()[0], 2))
     figures["_times"] = {f"{m}/{r}/{rate:g}": ts for (m, r, rate), ts in times.items()}
     return figures
@@ -605,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default=str(ROOT / "docs" / "cluster-tradeoff.png"),
                         help="where the trade-off plot goes (default docs/cluster-tradeoff.png)")
     parser.add_argument("--keep", metavar="DIR", help="keep the run logs in a new directory under DIR")
-    parser.add_argument("--only", choices=("link", "respipe", "stannis"), help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=("link", "respipe", "node-kill", "stannis"), help=argparse.SUPPRESS)
     parser.add_argument("--ship-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
