@@ -32,10 +32,11 @@ def broadcast_state(comm: Any, params: Sequence[torch.nn.Parameter],
     unpack_state(flat, params, optimizer, optim, momentum, steps_taken)
 
 
-# Tags of the star exchange (bucket k: UP_TAG + k, DOWN_TAG + k), apart from every other
-# point-to-point message on the communicator (Stannis sends none).
-UP_TAG = 1 << 20
-DOWN_TAG = 2 << 20
+# Tags of the star exchange, one per direction: messages between two ranks with one tag
+# arrive in the order they were sent, so bucket k is the k-th of each. Small, as MPI
+# promises tags up to 32767 only; Stannis sends no other point-to-point message.
+UP_TAG = 11
+DOWN_TAG = 12
 
 
 class WeightedAllreduce:
@@ -45,12 +46,12 @@ class WeightedAllreduce:
     size b_i and dividing by sum(b_i) gives the gradient of the mean loss over
     the union of all batches, whatever the split (Horovod and DDP average
     equally, which is wrong once batches differ). The gradients are copied into
-    one flat buffer whose slices (buckets) each go through one in-place
-    ``Allreduce`` on the buffer API, so nothing is pickled. The weight itself
-    rides in the last slot of the last bucket, so the total costs no extra call.
-    All buckets are started as non-blocking ``Iallreduce`` and waited for with
-    the transport's back-off, because a blocking collective busy-polls and would
-    steal the core of the rank still computing on an oversubscribed machine.
+    one flat buffer whose slices (buckets) are summed over the ranks on the buffer
+    API, so nothing is pickled. The weight itself rides in the last slot of the last
+    bucket, so the total costs no extra message. Every bucket's messages are
+    non-blocking and waited for with the transport's back-off, because a blocking
+    call busy-polls and would steal the core of the rank still computing on an
+    oversubscribed machine.
 
     A rank whose batch is empty passes ``weight=0`` (its gradients may be
     ``None``) and still takes part in every collective.
@@ -69,7 +70,7 @@ class WeightedAllreduce:
     """
 
     def __init__(self, comm: MPI.Comm, params: Iterable[torch.nn.Parameter],
-                 bucket_bytes: int = 4 << 20, exchange: str = "allreduce", root: int = 0) -> None:
+                 bucket_bytes: int = 4 << 20, exchange: str = "host", root: int = 0) -> None:
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
         self.comm = comm
@@ -165,9 +166,9 @@ class WeightedAllreduce:
         if comm.Get_rank() != root:
             down = self._down_buffer()
             requests = [*alongside]
-            for k, (start, stop) in enumerate(self.buckets):
-                requests.append(comm.Isend([self._buf[start:stop], MPI.FLOAT], dest=root, tag=UP_TAG + k))
-                requests.append(comm.Irecv([down[start:stop], MPI.FLOAT], source=root, tag=DOWN_TAG + k))
+            for start, stop in self.buckets:
+                requests.append(comm.Isend([self._buf[start:stop], MPI.FLOAT], dest=root, tag=UP_TAG))
+                requests.append(comm.Irecv([down[start:stop], MPI.FLOAT], source=root, tag=DOWN_TAG))
                 self.bytes_sent += (stop - start) * 4
                 self.calls += 1
             self._wait(requests)
@@ -176,13 +177,13 @@ class WeightedAllreduce:
         width = max(stop - start for start, stop in self.buckets)
         parts = self._root_buffer(len(others), width)
         sends: list[MPI.Request] = []
-        for k, (start, stop) in enumerate(self.buckets):
+        for start, stop in self.buckets:
             n = stop - start
-            self._wait([comm.Irecv([parts[i, :n], MPI.FLOAT], source=r, tag=UP_TAG + k)
+            self._wait([comm.Irecv([parts[i, :n], MPI.FLOAT], source=r, tag=UP_TAG)
                         for i, r in enumerate(others)])
             view = self._buf[start:stop]
             view += parts[:, :n].sum(axis=0)
-            sends += [comm.Isend([view, MPI.FLOAT], dest=r, tag=DOWN_TAG + k) for r in others]
+            sends += [comm.Isend([view, MPI.FLOAT], dest=r, tag=DOWN_TAG) for r in others]
             self.bytes_sent += n * 4 * len(others)
             self.calls += 1
         self._wait([*alongside, *sends])

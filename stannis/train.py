@@ -532,6 +532,7 @@ class Trainer:
         self.comm.take()
         self.t_train = time.perf_counter()  # samples/s in the summary counts training only
         eval_every = cfg["run"]["eval_every"]
+        ends = 0
         while True:
             if self.step >= steps:
                 # The end is a phase of its own: the last step's plan broadcast may fail
@@ -540,6 +541,9 @@ class Trainer:
                 error = ft.agreed_phase(self.comm.comm, self.flush_figures)
                 if error is None:
                     break
+                ends += 1
+                if ends == START_ATTEMPTS:
+                    raise error
                 self._recover_until_stable(error, agreed=True)
                 self._cycle = None
                 continue
@@ -742,17 +746,22 @@ def main(args: argparse.Namespace) -> int:
             trainer.log.drain()
         run.fail(e)
     except stop.StopRun as e:  # every rank agreed in the step's exchange
-        trainer.flush_figures()
+        try:
+            trainer.flush_figures()
+        except MPI.Exception:  # a peer died meanwhile: the last row keeps NaN figures
+            pass
         trainer.log.drain()
         if trainer.is_host:
             stop.announce(PROG, e, checkpoint_dir=None,
                           unresumable="Stannis keeps no checkpoints; a new run starts over")
         run.log.close(e.status)
+        if len(trainer.members) < run.size:  # as below: no MPI_Finalize with a dead rank
+            stop.flush_and_exit(e.exit_code)
         return e.exit_code
     except HostLost as e:
         print(f"{PROG}: error: {e}", flush=True)
-        return 1
-    except MPI.Exception as e:
+        stop.flush_and_exit(1)  # the host is dead: MPI_Finalize would wait for it
+    except (MPI.Exception, ft.PhaseFailed) as e:
         # A failure the recovery could not get past (without ULFM, any): say so and leave
         # at once, without MPI_Finalize. A rank that exits with an error makes mpirun end
         # the job, where a rank that waits for the others at its end would hang it.
@@ -767,7 +776,5 @@ def main(args: argparse.Namespace) -> int:
         # A CSD was dropped: under ULFM, MPI_Finalize runs an agreement over the whole
         # world, which was seen to wait for the dead rank now and then (as in ResPipe).
         # Everything is written and closed by now: leave without it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        stop.flush_and_exit(0)
     return 0

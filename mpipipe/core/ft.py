@@ -16,6 +16,7 @@ __all__ = [
     "shrink",
     "agree",
     "agreed_phase",
+    "PhaseFailed",
     "failed_ranks",
     "lost_ranks",
 ]
@@ -113,34 +114,47 @@ def agree(comm: Any, flag: int = 1) -> tuple[int, bool]:
         raise
 
 
+class PhaseFailed(RuntimeError):
+    """A phase (:func:`agreed_phase`) failed on another survivor, not on this one."""
+
+
 def agreed_phase(comm: Any, work: Callable[[], None]) -> BaseException | None:
     """Run ``work`` (a phase's collectives on ``comm``), then agree whether every survivor
-    completed it: None if all did, else the error to recover from, on every survivor alike.
+    completed it: None if all did, else the error to recover from (this rank's MPI error,
+    or :class:`PhaseFailed`), on every survivor alike.
 
     Why: a collective may fail on some ranks and complete on others (the root of a gather
     or a broadcast learns of a failure the others have already left behind), so a rank
     cannot tell from its own call whether the phase is over. A rank that saw an error
     revokes ``comm`` first, so that none stays blocked in a collective the others have
-    left; then ``Agree`` gives each survivor the same verdict. Without ULFM the error
-    is raised (a dead rank ends the job anyway).
+    left; then ``Agree`` gives each survivor the same verdict. A rank whose ``work``
+    raised anything else (a clean stop, say) still takes part in the agreement, with a
+    "no", and then raises it, so that no survivor waits in ``Agree`` for it. Without
+    ULFM the error is raised (a dead rank ends the job anyway).
 
     Raises:
-        MPI.Exception: ``work``'s error, when ULFM is off.
+        Exception: ``work``'s error, when ULFM is off or the error is not MPI's.
     """
     error: BaseException | None = None
+    other: BaseException | None = None
     try:
         work()
-    except Exception as e:  # noqa: BLE001 - MPI errors only, re-raised otherwise
-        if error_class(e) is None or not ulfm_enabled():
+    except Exception as e:  # noqa: BLE001 - MPI errors are returned, others re-raised after agreeing
+        if not ulfm_enabled():
             raise
-        error = e
-        revoke(comm)
+        if error_class(e) is None:
+            other = e
+        else:
+            error = e
+            revoke(comm)
     if not ulfm_enabled():
         return None
-    everyone_ok, uniform = agree(comm, int(error is None))
+    everyone_ok, uniform = agree(comm, int(error is None and other is None))
+    if other is not None:
+        raise other
     if everyone_ok and uniform:
         return None
-    return error or RuntimeError("the phase failed on another rank")
+    return error or PhaseFailed("the phase failed on another rank")
 
 
 def failed_ranks(comm: Any) -> list[int]:

@@ -125,7 +125,7 @@ class JobTimeout(subprocess.TimeoutExpired):
             return text[-n:]
 
         return (f"{super().__str__()}\n--- the job's stdout, last lines ---\n{tail(self.stdout, 2000)}"
-                f"\n--- its stderr (each rank's stack, after SIGUSR2) ---\n{tail(self.stderr, 8000)}")
+                f"\n--- its stderr (each rank's stack, after SIGUSR2) ---\n{tail(self.stderr, 20000)}")
 
 
 def run_mpi(
