@@ -64,7 +64,11 @@ def test_every_survivor_gets_the_same_verdict(tmp_path):
     for r in range(3):
         assert f"clean {r} ok" in lines, why
         assert f"root {r} shrunk to 3" in lines and f"other {r} shrunk to 3" in lines, why
-    assert "root 0 Exception" in lines and {"root 1 PhaseFailed", "root 2 PhaseFailed"} <= lines, why
+    # an error on every survivor: its own MPI error (the root's; another's if the revoke
+    # caught it still in the broadcast) or, where its own call completed, PhaseFailed
+    assert "root 0 Exception" in lines, why
+    for r in (1, 2):
+        assert f"root {r} Exception" in lines or f"root {r} PhaseFailed" in lines, why
     # a non-MPI error is raised on its rank after it said "no": no one waits in Agree for it
     assert "other 1 raised" in lines and {"other 0 PhaseFailed", "other 2 PhaseFailed"} <= lines, why
     for r in range(2):
