@@ -537,7 +537,10 @@ class Trainer:
             if self.step >= steps:
                 # The end is a phase of its own: the last step's plan broadcast may fail
                 # on the host after the others left it (seen on the testbed after a
-                # node-kill), so every survivor agrees that training is over.
+                # node-kill), so every survivor agrees that training is over. It stays
+                # inside the loop (unlike _start's phase): a recovery takes the host's step,
+                # which may be one behind if the host failed before its last update, and
+                # then every survivor trains that step again before it ends.
                 error = ft.agreed_phase(self.comm.comm, self.flush_figures)
                 if error is None:
                     break
