@@ -19,12 +19,14 @@ median is reported. A step time is the mean time per step of a run after its fir
   nodes of their own) over the plain pipeline on the same nodes at 100 Mbit/s, step time
   ratio minus 1, per repeat (interleaved: plain, cold, hot), median; *_spread max - min.
 - cost_time_error: mpipipe.respipe.costmodel.predict(...).links (each rank's bytes per step) turned into
-  time by costmodel.step_seconds: compute + the busiest link's activation and gradient
-  bytes / rate, or the busiest link's bytes / rate if longer (replicas and hot relays
-  are sent without waiting and drain while the stages compute). Compute is the plain
-  pipeline's step time minus its predicted link time, median over its runs at 100 Mbit/s
-  and up (the calibration: 4 runs, quick 3); every ResPipe run of the grid (rates x R x
-  cold/hot) is a prediction, and the figure is the worst |predicted / measured - 1|.
+  time by costmodel.step_seconds: compute + the bytes a pipelined step waits for
+  (costmodel.exposed_bytes: one micro-batch's activation and gradient at every boundary;
+  the engine sends the others while it computes) at the rate, or the busiest link's
+  bytes / rate if longer (replicas and hot relays are sent without waiting and drain
+  while the stages compute). Compute is the plain pipeline's step time minus its
+  exposed link time, median over its runs at 100 Mbit/s and up (the calibration: 4
+  runs, quick 3); every ResPipe run of the grid (rates x R x cold/hot) is a prediction,
+  and the figure is the worst |predicted / measured - 1|.
   cost_time_error_serial: the same with every byte added to compute (no overlap).
 - recovery_s_node_kill: node n1 (stage 1) killed whole (node-kill) at a step halfway
   between two replicas (R=10, cold): the run's takeover_recovered recovery_s, median.
@@ -293,19 +295,21 @@ def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) ->
                                  replicate_every=max(r, 1), mode="cold" if mode == "plain" else mode,
                                  label_bytes=8, input_bytes=in_bytes).links
 
+    # What a step waits for on the links: one micro-batch's activations and gradients.
+    exposed = costmodel.exposed_bytes(shapes, batch_size=rsl.BATCH, chunks=cfg["pipeline"]["chunks"])
     # Compute: what the plain pipeline's step takes beyond its predicted link time, median
     # over its runs on the links where compute dominates (>= CALIBRATE_MBIT): one run was
     # too few on a machine whose pace drifts by 10 % between runs.
-    critical = links("plain", 1)
+    plain = links("plain", 1)
     fast = [(rate, t) for (mode, _, rate), ts in times.items() if mode == "plain" and rate >= CALIBRATE_MBIT
             for t in ts]
-    compute = max(median([t - costmodel.step_seconds(critical, link_mbit=rate, compute_s=0.0)
+    compute = max(median([t - costmodel.step_seconds(plain, link_mbit=rate, compute_s=0.0, exposed=exposed)
                           for rate, t in fast]), 0.0)
     rows, errors, serial_errors = [], [], []
     for (mode, r, rate), ts in sorted(times.items()):
         measured = median(ts)
         bytes_ = links(mode, r)
-        predicted = costmodel.step_seconds(bytes_, link_mbit=rate, compute_s=compute, critical=critical)
+        predicted = costmodel.step_seconds(bytes_, link_mbit=rate, compute_s=compute, exposed=exposed)
         serial = costmodel.step_seconds(bytes_, link_mbit=rate, compute_s=compute)
         err = predicted / measured - 1 if measured > 0 else math.nan
         serr = serial / measured - 1 if measured > 0 else math.nan
@@ -321,7 +325,7 @@ def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) ->
 
     return {"cost_time_error": worst(errors), "cost_time_error_serial": worst(serial_errors),
             "compute_s": round(compute, 4), "calibrated_on": sorted({f"plain at {r:g} Mbit/s" for r, _ in fast}),
-            "calibration_runs": len(fast), "cost_time_rows": rows}
+            "calibration_runs": len(fast), "exposed_bytes": round(exposed), "cost_time_rows": rows}
 
 
 def node_kill(bench: Bench, size: dict[str, Any]) -> dict[str, Any]:

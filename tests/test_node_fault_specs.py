@@ -141,3 +141,11 @@ def test_a_node_quota_runs_in_short_slices_unless_under_the_kernel_minimum() -> 
     assert period_us(0.5) == period_us(0.125) == period_us(0.1) == 10_000
     assert period_us(0.05) == period_us(0.01) == 100_000
     assert all(period_us(c) * c >= 1000 for c in (0.01, 0.05, 0.099, 0.1, 0.125, 1.0, 2.0))
+
+
+def test_a_link_bucket_holds_a_millisecond_of_traffic_and_two_frames() -> None:
+    """Whatever fits in the token bucket crosses the link at once, so it stays small."""
+    from mpipipe.core.testbed import FRAME_BYTES, burst_bytes
+
+    assert burst_bytes(1000) == 125_000 and burst_bytes(100) == 12_500
+    assert burst_bytes(20) == burst_bytes(1) == 2 * FRAME_BYTES

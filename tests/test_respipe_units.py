@@ -156,13 +156,25 @@ def test_step_seconds_is_compute_plus_the_busiest_direction_at_the_link_rate():
     links = {"stage 0": (1e6, 2.5e6), "stage 1": (2e6, 0.5e6)}
     assert costmodel.step_seconds(links, link_mbit=20, compute_s=0.1) == pytest.approx(0.1 + 1.0)
     assert costmodel.step_seconds({}, link_mbit=20, compute_s=0.1) == 0.1
-    # Overlapped: the critical bytes add to compute; the rest counts once a link outlasts the step.
-    critical = {"stage 0": (0.25e6, 0.0)}
-    assert costmodel.step_seconds(links, link_mbit=20, compute_s=0.1, critical=critical) == pytest.approx(1.0)
-    assert costmodel.step_seconds(links, link_mbit=20, compute_s=1.5, critical=critical) == \
+    # Overlapped: the exposed bytes add to compute; the rest counts once a link outlasts the step.
+    assert costmodel.step_seconds(links, link_mbit=20, compute_s=0.1, exposed=0.25e6) == pytest.approx(1.0)
+    assert costmodel.step_seconds(links, link_mbit=20, compute_s=1.5, exposed=0.25e6) == \
         pytest.approx(1.5 + 0.1)
     with pytest.raises(ValueError, match="link_mbit"):
         costmodel.step_seconds(links, link_mbit=0, compute_s=0.1)
+    with pytest.raises(ValueError, match="exposed"):
+        costmodel.step_seconds(links, link_mbit=20, compute_s=0.1, exposed=-1.0)
+
+
+def test_a_step_waits_for_one_micro_batch_per_boundary_and_direction():
+    # STAGES' boundaries carry act_out bytes per sample; 4 micro-batches of 8 samples
+    per_boundary = [2 * 8 * s.act_out for s in STAGES[:-1]]
+    assert costmodel.exposed_bytes(STAGES, batch_size=32, chunks=4) == pytest.approx(sum(per_boundary))
+    # one micro-batch: the whole step's activations and gradients wait (the plain total)
+    plain = costmodel.predict(STAGES, batch_size=32).plain
+    assert costmodel.exposed_bytes(STAGES, batch_size=32, chunks=1) == pytest.approx(plain)
+    with pytest.raises(ValueError, match="chunks"):
+        costmodel.exposed_bytes(STAGES, batch_size=32, chunks=0)
 
 
 def test_each_steps_exact_bytes_put_every_replica_on_the_multiples_of_r():

@@ -47,6 +47,7 @@ __all__ = [
     "stage_shapes",
     "trade_off",
     "step_seconds",
+    "exposed_bytes",
     "shapes_from_config",
     "MODES",
 ]
@@ -298,8 +299,32 @@ def _links(stages: Sequence[StageShape], backups: Mapping[int, int], batch_size:
     return {role: (sent, received) for role, (sent, received) in out.items()}
 
 
+def exposed_bytes(stages: Sequence[StageShape], *, batch_size: int, chunks: int) -> float:
+    """Activation and gradient bytes a pipelined step waits for: one micro-batch's, at every
+    boundary, each way.
+
+    Why: the engine cuts a step's batch into ``chunks`` micro-batches and sends each
+    one's activation forward (and its gradient back) while the stage goes on with the
+    next. Only the first micro-batch's forward pass and the last one's backward pass
+    have nothing to overlap with: they wait for every boundary's transfer in turn. So a
+    boundary adds ``2 * batch / chunks * act_bytes`` to the step, not the ``2 * batch *
+    act_bytes`` it carries (:func:`predict`); the rest counts once a link is busier than
+    the step is long (:func:`step_seconds`). With an interleaved schedule every boundary
+    between model chunks is one, as in :func:`predict`.
+
+    Raises:
+        ValueError: ``chunks`` below 1.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks = {chunks}: a step has at least one micro-batch")
+    n = len(stages)
+    v = max(len(s.chunk_acts) for s in stages)
+    per = batch_size / chunks
+    return float(sum(2 * per * stages[c % n].chunk_acts[c // n] for c in range(v * n - 1)))
+
+
 def step_seconds(links: Mapping[str, tuple[float, float]], *, link_mbit: float, compute_s: float,
-                 critical: Mapping[str, tuple[float, float]] | None = None) -> float:
+                 exposed: float | None = None) -> float:
     """The cost model turned into time: compute, plus bytes at the link rate.
 
     Why: the bytes of ``Cost.links`` say nothing about time until a link rate is
@@ -307,31 +332,31 @@ def step_seconds(links: Mapping[str, tuple[float, float]], *, link_mbit: float, 
     and received are shaped apart), so what counts is the most loaded direction of one
     link. Two readings:
 
-    - ``critical`` not given: compute plus the busiest link's bytes of ``links`` at the
+    - ``exposed`` not given: compute plus the busiest link's bytes of ``links`` at the
       rate, as if nothing overlapped (every byte waited for);
-    - ``critical`` given (the plain pipeline's ``Cost.links``: activations, their
-      gradients, labels, which a stage waits for): compute plus the busiest link's
-      critical bytes, or the busiest link's bytes of ``links`` at the rate if that is
-      longer. The rest (replicas, hot relays) is sent without waiting for the receiver
-      and drains while the stages compute, so it costs time only once a link is busier
-      than the step is long.
+    - ``exposed`` given (:func:`exposed_bytes`: the activations and gradients a pipelined
+      step waits for): compute plus those bytes at the rate, or the busiest link's bytes
+      of ``links`` at the rate if that is longer. Everything else (the other
+      micro-batches' activations, replicas, hot relays) is sent without waiting for the
+      receiver and drains while the stages compute, so it costs time only once a link is
+      busier than the step is long.
 
     Payload bytes, 10^6 bits per Mbit.
 
     Raises:
-        ValueError: a link rate that is not positive, or negative compute.
+        ValueError: a link rate that is not positive, or negative compute or bytes.
     """
     if link_mbit <= 0:
         raise ValueError(f"link_mbit = {link_mbit}: a link rate must be > 0 Mbit/s")
     if compute_s < 0:
         raise ValueError(f"compute_s = {compute_s}: compute time cannot be negative")
-
-    def busiest(bytes_by_role: Mapping[str, tuple[float, float]]) -> float:
-        return max((max(s, r) for s, r in bytes_by_role.values()), default=0.0) * 8 / (link_mbit * 1e6)
-
-    if critical is None:
-        return compute_s + busiest(links)
-    return max(compute_s + busiest(critical), busiest(links))
+    seconds_per_byte = 8 / (link_mbit * 1e6)
+    busiest = max((max(s, r) for s, r in links.values()), default=0.0) * seconds_per_byte
+    if exposed is None:
+        return compute_s + busiest
+    if exposed < 0:
+        raise ValueError(f"exposed = {exposed}: bytes cannot be negative")
+    return max(compute_s + exposed * seconds_per_byte, busiest)
 
 
 def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
