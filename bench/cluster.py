@@ -143,6 +143,24 @@ class Bench:
         self.count = 0
         self.repeat = 1
 
+    def mpi(self, name: str, n: int, cmd: list[str], tb: Testbed, *, timeout: float,
+            ulfm: bool, nodes: Sequence[str] | None = None) -> subprocess.CompletedProcess:
+        """One MPI job on the testbed; run once more if mpirun failed to start it (LAUNCH_FLAKE).
+
+        A job past its time limit comes back as exit -9 with what it printed, so that
+        the bench goes on with the next one and reports this one as failed.
+        """
+        for attempt in range(2):
+            try:
+                result = run_mpi(n, cmd, ulfm=ulfm, timeout=timeout, testbed=tb, nodes=nodes)
+            except subprocess.TimeoutExpired as e:
+                result = subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", str(e))
+            if attempt == 0 and LAUNCH_FLAKE in result.stderr:  # mpirun never started the job: again
+                self.relaunched.append(name)
+                continue
+            return result
+        return result
+
     def train(self, tb: Testbed, name: str, *sets: str, ulfm: bool = True, resume: Path | None = None,
               nodes: Sequence[str] | None = None, expect_ok: bool = True) -> tuple[subprocess.CompletedProcess, Path]:
         """One `mpipipe train` job of LeNet on the digits across the testbed's nodes."""
@@ -156,15 +174,7 @@ class Bench:
         cmd += ["--resume", str(resume)] if resume else ["--overwrite"]
         for s in sets:
             cmd += ["--inject", s[7:]] if s.startswith("inject:") else ["--set", s]
-        for attempt in range(2):
-            try:
-                result = run_mpi(rsl.RANKS, cmd, ulfm=ulfm, timeout=300 + 2 * self.steps, testbed=tb, nodes=nodes)
-            except subprocess.TimeoutExpired as e:
-                result = subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", e.stderr or "timed out")
-            if attempt == 0 and LAUNCH_FLAKE in result.stderr:  # mpirun never started the job: again
-                self.relaunched.append(name)
-                continue
-            break
+        result = self.mpi(name, rsl.RANKS, cmd, tb, timeout=300 + 2 * self.steps, ulfm=ulfm, nodes=nodes)
         if expect_ok and result.returncode != 0:
             tail = " | ".join(result.stderr.strip().splitlines()[-3:])
             self.failed.append(f"{name}: exit {result.returncode}: {tail}")
@@ -227,8 +237,8 @@ def spread(values: Sequence[float]) -> float:
 
 def link_rate(bench: Bench, tb: Testbed, mbytes: float) -> dict[str, Any]:
     """Measured / configured throughput of n0 -> n1 with mpipipe.linkprobe."""
-    result = run_mpi(2, ["-m", "mpipipe.linkprobe", "--mbytes", str(mbytes), "--pairs", "0:1,1:0"],
-                     timeout=300, testbed=tb)
+    result = bench.mpi("linkprobe", 2, ["-m", "mpipipe.linkprobe", "--mbytes", str(mbytes), "--pairs", "0:1,1:0"],
+                       tb, timeout=300, ulfm=False)
     rates = [json.loads(line)["mbit_s"] for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not rates:
         bench.failed.append(f"linkprobe: exit {result.returncode}: {result.stderr[-300:]}")
@@ -472,10 +482,10 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
     with testbed.running(tb):
         for i in range(bench.repeat):
             result = work / f"ship-{i}.json"
-            proc = run_mpi(1 + sbench.CSDS, [str(Path(__file__).resolve()), "--ship-worker", "--data",
-                                             str(work / "data"), "--out", str(result),
-                                             "--global-batch", str(GLOBAL_BATCH), "--ship-steps", "8"],
-                           timeout=600, testbed=tb)
+            proc = bench.mpi(f"ship-{i}", 1 + sbench.CSDS,
+                             [str(Path(__file__).resolve()), "--ship-worker", "--data", str(work / "data"),
+                              "--out", str(result), "--global-batch", str(GLOBAL_BATCH), "--ship-steps", "8"],
+                             tb, timeout=600, ulfm=False)
             bench.count += 1
             if proc.returncode or not result.exists():
                 bench.failed.append(f"ship-{i}: exit {proc.returncode}: {proc.stderr[-300:]}")
@@ -485,7 +495,7 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
         cmd = [str(ROOT / "bench" / "stannis.py"), "--worker", "--size", size,
                "--global-batch", str(GLOBAL_BATCH), "--slowdown", "1", "--config", str(work / "bench.toml"),
                "--log", str(work / "stannis.h5"), "--out", str(result), "--set=csd.emulated=false"]
-        proc = run_mpi(1 + sbench.CSDS, cmd, timeout=1200, testbed=tb)
+        proc = bench.mpi("stannis", 1 + sbench.CSDS, cmd, tb, timeout=1200, ulfm=False)
         bench.count += 1
         if proc.returncode or not result.exists():
             bench.failed.append(f"stannis worker: exit {proc.returncode}: {proc.stderr[-300:]}")
