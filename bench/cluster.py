@@ -24,9 +24,10 @@ median is reported. A step time is the mean time per step of a run after its fir
   the engine sends the others while it computes) at the rate, or the busiest link's
   bytes / rate if longer (replicas and hot relays are sent without waiting and drain
   while the stages compute). Compute is the plain pipeline's step time minus its
-  exposed link time, median over its runs at 100 Mbit/s and up (the calibration: 4
-  runs, quick 3); every ResPipe run of the grid (rates x R x cold/hot) is a prediction,
-  and the figure is the worst |predicted / measured - 1|.
+  exposed link time, on the same links, median of its runs at the start and the end of
+  that rate's block of runs (the machine's pace drifts by up to 30 % over a bench run);
+  every ResPipe run of the grid (rates x R x cold/hot) is a prediction, and the figure
+  is the worst |predicted / measured - 1|.
   cost_time_error_serial: the same with every byte added to compute (no overlap).
 - recovery_s_node_kill: node n1 (stage 1) killed whole (node-kill) at a step halfway
   between two replicas (R=10, cold): the run's takeover_recovered recovery_s, median.
@@ -110,7 +111,6 @@ R = rsl.R  # the ResPipe jobs' replication interval where the issue says R=10
 # Open MPI's launcher failing before any rank starts (seen once in 55 jobs, under load):
 # the job is run once more, and the bench says so (``relaunched``).
 LAUNCH_FLAKE = "PMIx server's listener thread failed to start"
-CALIBRATE_MBIT = 100  # the cost model's compute term comes from plain runs at this rate and up
 
 
 def respipe_testbed(link_mbit: float) -> Testbed:
@@ -274,6 +274,7 @@ def respipe_grid(bench: Bench, size: dict[str, Any]) -> Times:
                     if rate == 100 and r == R and mode in ("cold", "hot"):
                         continue
                     run(tb, mode, r, "0")
+            run(tb, "plain", 0, "end")  # the block's pace at its end too (see cost_time)
     return times
 
 
@@ -282,7 +283,8 @@ def overheads(times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any
     out: dict[str, Any] = {}
     plain = times[("plain", 0, 100.0)]
     for mode, key in (("cold", "overhead_r10"), ("hot", "overhead_hot")):
-        pairs = [t / p - 1 for t, p in zip(times[(mode, R, 100.0)], plain, strict=True)]
+        runs = times[(mode, R, 100.0)]  # each paired with the plain run just before it
+        pairs = [t / p - 1 for t, p in zip(runs, plain[:len(runs)], strict=True)]
         out[key] = median(pairs)
         out[f"{key}_spread"] = spread(pairs)
         out[f"{key}_runs"] = [round(x, 4) for x in pairs]
@@ -307,20 +309,19 @@ def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) ->
 
     # What a step waits for on the links: one micro-batch's activations and gradients.
     exposed = costmodel.exposed_bytes(shapes, batch_size=rsl.BATCH, chunks=cfg["pipeline"]["chunks"])
-    # Compute: what the plain pipeline's step takes beyond its predicted link time, median
-    # over its runs on the links where compute dominates (>= CALIBRATE_MBIT): one run was
-    # too few on a machine whose pace drifts by 10 % between runs.
-    plain = links("plain", 1)
-    fast = [(rate, t) for (mode, _, rate), ts in times.items() if mode == "plain" and rate >= CALIBRATE_MBIT
-            for t in ts]
-    compute = max(median([t - costmodel.step_seconds(plain, link_mbit=rate, compute_s=0.0, exposed=exposed)
-                          for rate, t in fast]), 0.0)
+    # Compute: what the plain pipeline's step takes beyond its predicted link time, on the
+    # same links, in the same block of runs (its runs at the block's start and end; the
+    # median of them). Not one figure for the whole bench: the machine's pace drifts, by
+    # up to 30 % over the 20 minutes of a run (plain at 100 Mbit/s took 41-44 ms at the
+    # start of one and 54-63 ms at its end).
+    compute = {rate: max(median(ts) - costmodel.link_seconds(exposed, rate), 0.0)
+               for (mode, _, rate), ts in times.items() if mode == "plain"}
     rows, errors, serial_errors = [], [], []
     for (mode, r, rate), ts in sorted(times.items()):
         measured = median(ts)
         bytes_ = links(mode, r)
-        predicted = costmodel.step_seconds(bytes_, link_mbit=rate, compute_s=compute, exposed=exposed)
-        serial = costmodel.step_seconds(bytes_, link_mbit=rate, compute_s=compute)
+        predicted = costmodel.step_seconds(bytes_, link_mbit=rate, compute_s=compute[rate], exposed=exposed)
+        serial = costmodel.step_seconds(bytes_, link_mbit=rate, compute_s=compute[rate])
         err = predicted / measured - 1 if measured > 0 else math.nan
         serr = serial / measured - 1 if measured > 0 else math.nan
         rows.append({"mode": mode, "R": r, "link_mbit": rate, "measured_s": round(measured, 4),
@@ -334,8 +335,9 @@ def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) ->
         return max(values) if values and not any(math.isnan(e) for e in values) else math.nan
 
     return {"cost_time_error": worst(errors), "cost_time_error_serial": worst(serial_errors),
-            "compute_s": round(compute, 4), "calibrated_on": sorted({f"plain at {r:g} Mbit/s" for r, _ in fast}),
-            "calibration_runs": len(fast), "exposed_bytes": round(exposed), "cost_time_rows": rows}
+            "compute_s": {f"{rate:g}": round(c, 4) for rate, c in sorted(compute.items())},
+            "calibration_runs": {f"{rate:g}": len(times[("plain", 0, rate)]) for rate in sorted(compute)},
+            "exposed_bytes": round(exposed), "cost_time_rows": rows}
 
 
 def node_kill(bench: Bench, size: dict[str, Any]) -> dict[str, Any]:
@@ -573,8 +575,9 @@ def print_table(figures: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  {key:<24}{shown:>10}  {target_text(key):<10}{verdict(key, value)}")
     rows = figures.get("cost_time_rows", [])
     if rows:
-        print(f"  cost model in time (compute {figures['compute_s'] * 1e3:.1f} ms: median of "
-              f"{figures['calibration_runs']} runs, {', '.join(figures['calibrated_on'])}):")
+        calibration = ", ".join(f"{1e3 * c:.1f} ms at {rate} Mbit/s ({figures['calibration_runs'][rate]} runs)"
+                                for rate, c in figures["compute_s"].items())
+        print(f"  cost model in time (compute from each rate's plain runs: {calibration}):")
         print(f"    {'mode':<10}{'R':>4}{'Mbit/s':>8}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"
               f"{'serial ms':>11}{'error':>8}")
         for r in rows:

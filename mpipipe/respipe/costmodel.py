@@ -48,6 +48,7 @@ __all__ = [
     "trade_off",
     "step_seconds",
     "exposed_bytes",
+    "link_seconds",
     "shapes_from_config",
     "MODES",
 ]
@@ -323,6 +324,13 @@ def exposed_bytes(stages: Sequence[StageShape], *, batch_size: int, chunks: int)
     return float(sum(2 * per * stages[c % n].chunk_acts[c // n] for c in range(v * n - 1)))
 
 
+def link_seconds(nbytes: float, link_mbit: float) -> float:
+    """Seconds that ``nbytes`` of payload take at ``link_mbit`` (10^6 bits per Mbit)."""
+    if link_mbit <= 0:
+        raise ValueError(f"link_mbit = {link_mbit}: a link rate must be > 0 Mbit/s")
+    return nbytes * 8 / (link_mbit * 1e6)
+
+
 def step_seconds(links: Mapping[str, tuple[float, float]], *, link_mbit: float, compute_s: float,
                  exposed: float | None = None) -> float:
     """The cost model turned into time: compute, plus bytes at the link rate.
@@ -346,17 +354,14 @@ def step_seconds(links: Mapping[str, tuple[float, float]], *, link_mbit: float, 
     Raises:
         ValueError: a link rate that is not positive, or negative compute or bytes.
     """
-    if link_mbit <= 0:
-        raise ValueError(f"link_mbit = {link_mbit}: a link rate must be > 0 Mbit/s")
     if compute_s < 0:
         raise ValueError(f"compute_s = {compute_s}: compute time cannot be negative")
-    seconds_per_byte = 8 / (link_mbit * 1e6)
-    busiest = max((max(s, r) for s, r in links.values()), default=0.0) * seconds_per_byte
+    busiest = link_seconds(max((max(s, r) for s, r in links.values()), default=0.0), link_mbit)
     if exposed is None:
         return compute_s + busiest
     if exposed < 0:
         raise ValueError(f"exposed = {exposed}: bytes cannot be negative")
-    return max(compute_s + exposed * seconds_per_byte, busiest)
+    return max(compute_s + link_seconds(exposed, link_mbit), busiest)
 
 
 def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
