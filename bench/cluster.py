@@ -312,8 +312,8 @@ def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) ->
     # Compute: what the plain pipeline's step takes beyond its predicted link time, on the
     # same links, in the same block of runs (its runs at the block's start and end; the
     # median of them). Not one figure for the whole bench: the machine's pace drifts, by
-    # up to 30 % over the 20 minutes of a run (plain at 100 Mbit/s took 41-44 ms at the
-    # start of one and 54-63 ms at its end).
+    # up to 30 % over the 20 minutes of a run (ResPipe cold R=10 at 100 Mbit/s took 41-48 ms
+    # a step at the start of one and 54-63 ms at its end; plain 41-44 and 46-50 ms).
     compute = {rate: max(median(ts) - costmodel.link_seconds(exposed, rate), 0.0)
                for (mode, _, rate), ts in times.items() if mode == "plain"}
     rows, errors, serial_errors = [], [], []
