@@ -9,10 +9,13 @@ interpreter, root needs two variables, more ranks than cores need
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,8 +82,27 @@ def start_mpi(n: int, argv: Sequence[str], *, ulfm: bool = False,
     if testbed is not None and current() != testbed:
         raise TestbedError("that testbed is not up; run 'python -m mpipipe.testbed up FILE' "
                            "(or 'run FILE -- CMD') first")
-    return subprocess.Popen(mpirun_command(n, *argv, ulfm=ulfm, testbed=testbed, nodes=nodes), cwd=cwd,
-                            env=mpirun_env(env), start_new_session=True, **popen)
+    # A temporary directory of the job's own for Open MPI's session files (TMPDIR, which
+    # the daemons on testbed nodes inherit too). A job that is killed leaves its session
+    # directory behind, named by mpirun's pid; once that pid comes round again (pid_max
+    # is 32768 here, and a CI run starts tens of thousands of processes) the new mpirun
+    # finds the old rendezvous files and stops with "The PMIx server's listener thread
+    # failed to start". Removed when the job is over (kill_job, run_mpi) or forgotten.
+    session = tempfile.mkdtemp(prefix="mpj-")
+    job = subprocess.Popen(mpirun_command(n, *argv, ulfm=ulfm, testbed=testbed, nodes=nodes), cwd=cwd,
+                           env=mpirun_env({**(env or {}), "TMPDIR": session}), start_new_session=True, **popen)
+    _SESSIONS[job.pid] = weakref.finalize(job, shutil.rmtree, session, ignore_errors=True)
+    return job
+
+
+_SESSIONS: dict[int, weakref.finalize] = {}  # mpirun pid -> removes the job's TMPDIR
+
+
+def _forget_session(job: subprocess.Popen) -> None:
+    """Remove an ended job's temporary directory (see start_mpi)."""
+    done = _SESSIONS.pop(job.pid, None)
+    if done is not None:
+        done()
 
 
 def kill_job(job: subprocess.Popen, within_s: float = 10.0) -> None:
@@ -110,6 +132,7 @@ def kill_job(job: subprocess.Popen, within_s: float = 10.0) -> None:
             break
         time.sleep(0.05)
     job.wait()
+    _forget_session(job)
 
 
 STACKS_WAIT_S = 5.0  # after a time-out, how long the ranks get to print their stacks
@@ -166,4 +189,5 @@ def run_mpi(
         if isinstance(e, subprocess.TimeoutExpired):
             raise JobTimeout(job.args, timeout, out, err) from None
         raise
+    _forget_session(job)
     return subprocess.CompletedProcess(job.args, job.returncode, out, err)
