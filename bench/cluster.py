@@ -147,26 +147,28 @@ class Bench:
 
     def mpi(self, name: str, n: int, cmd: list[str], tb: Testbed, *, timeout: float,
             ulfm: bool, nodes: Sequence[str] | None = None) -> subprocess.CompletedProcess:
-        """One MPI job on the testbed; run once more if mpirun failed to start it (LAUNCH_FLAKE).
+        """One MPI job on the testbed, counted; run once more if mpirun failed to start it
+        (LAUNCH_FLAKE).
 
         A job past its time limit comes back as exit -9 with what it printed, so that
         the bench goes on with the next one and reports this one as failed.
         """
-        for attempt in range(2):
+        def once() -> subprocess.CompletedProcess:
             try:
-                result = run_mpi(n, cmd, ulfm=ulfm, timeout=timeout, testbed=tb, nodes=nodes)
+                return run_mpi(n, cmd, ulfm=ulfm, timeout=timeout, testbed=tb, nodes=nodes)
             except subprocess.TimeoutExpired as e:
-                result = subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", str(e))
-            if attempt == 0 and LAUNCH_FLAKE in result.stderr:  # mpirun never started the job: again
-                self.relaunched.append(name)
-                continue
-            return result
+                return subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", str(e))
+
+        self.count += 1
+        result = once()
+        if LAUNCH_FLAKE in result.stderr:  # mpirun never started the job: again
+            self.relaunched.append(name)
+            result = once()
         return result
 
     def train(self, tb: Testbed, name: str, *sets: str, ulfm: bool = True, resume: Path | None = None,
               nodes: Sequence[str] | None = None, expect_ok: bool = True) -> tuple[subprocess.CompletedProcess, Path]:
         """One `mpipipe train` job of LeNet on the digits across the testbed's nodes."""
-        self.count += 1
         log = self.work / f"{name}.h5"
         cmd = ["-m", "mpipipe", "train", "--quiet",
                "--config", str(ROOT / "jobs" / "configs" / "respipe-digits.toml"),
@@ -490,7 +492,6 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
                              [str(Path(__file__).resolve()), "--ship-worker", "--data", str(work / "data"),
                               "--out", str(result), "--global-batch", str(GLOBAL_BATCH), "--ship-steps", "8"],
                              tb, timeout=600, ulfm=False)
-            bench.count += 1
             if proc.returncode or not result.exists():
                 bench.failed.append(f"ship-{i}: exit {proc.returncode}: {proc.stderr[-300:]}")
             else:
@@ -500,7 +501,6 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
                "--global-batch", str(GLOBAL_BATCH), "--slowdown", "1", "--config", str(work / "bench.toml"),
                "--log", str(work / "stannis.h5"), "--out", str(result), "--set=csd.emulated=false"]
         proc = bench.mpi("stannis", 1 + sbench.CSDS, cmd, tb, timeout=1200, ulfm=False)
-        bench.count += 1
         if proc.returncode or not result.exists():
             bench.failed.append(f"stannis worker: exit {proc.returncode}: {proc.stderr[-300:]}")
             return {"stannis_vs_ship": math.nan, "stannis_tuned_vs_ideal": math.nan, "ship_sps": ship}

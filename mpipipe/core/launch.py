@@ -91,16 +91,13 @@ def start_mpi(n: int, argv: Sequence[str], *, ulfm: bool = False,
     session = tempfile.mkdtemp(prefix="mpj-")
     job = subprocess.Popen(mpirun_command(n, *argv, ulfm=ulfm, testbed=testbed, nodes=nodes), cwd=cwd,
                            env=mpirun_env({**(env or {}), "TMPDIR": session}), start_new_session=True, **popen)
-    _SESSIONS[job.pid] = weakref.finalize(job, shutil.rmtree, session, ignore_errors=True)
+    job._mpipipe_session = weakref.finalize(job, shutil.rmtree, session, ignore_errors=True)  # type: ignore[attr-defined]
     return job
 
 
-_SESSIONS: dict[int, weakref.finalize] = {}  # mpirun pid -> removes the job's TMPDIR
-
-
 def _forget_session(job: subprocess.Popen) -> None:
-    """Remove an ended job's temporary directory (see start_mpi)."""
-    done = _SESSIONS.pop(job.pid, None)
+    """Remove an ended job's temporary directory (see start_mpi); once, however often called."""
+    done = getattr(job, "_mpipipe_session", None)
     if done is not None:
         done()
 
