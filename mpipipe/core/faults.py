@@ -335,7 +335,7 @@ def _node_procs(node: str) -> Path:
     """The ``cgroup.procs`` file of testbed node ``node`` (named in the testbed's state)."""
     from mpipipe.core.testbed import STATE
 
-    return Path((STATE / "nodes" / ("mpt-" + node)).read_text().strip())
+    return Path((STATE / "nodes" / ("mpt-" + node)).read_text().split()[0])
 
 
 # The launchers' processes a node-kill spares: Open MPI's daemon and mpirun (which runs on

@@ -15,12 +15,15 @@ A node is
     on the machines this was built on, so there is no delay or loss, only rate;
   - a CPU budget: a cgroup ``mpt-NODE`` with a CPU quota (``cpu.cfs_quota_us`` under
     cgroup v1, ``cpu.max`` under v2) of a short period (:func:`period_us`);
+  - cores of its own: the same cgroup's ``cpuset.cpus`` (:meth:`Testbed.cores`), so that
+    a node runs on the same core(s) in every run, as a real node does on its own, and
+    does not take turns with whichever nodes the scheduler put beside it this time;
   - a hostname ``mpt-NODE`` in a UTS namespace of each process started on it (Open MPI
     needs distinct hostnames, or its first exchange across nodes hangs), and a line in
     ``/etc/hosts`` so that ``mpirun`` on the host finds it.
 
 Processes enter a node through ``jobs/testbed/rsh-agent`` (Open MPI's rsh agent, and
-``python -m mpipipe.testbed exec``): join the cgroup first, then ``nsenter --net`` (not
+``python -m mpipipe.testbed exec``): join the cgroups first, then ``nsenter --net`` (not
 ``ip netns exec``, which remounts ``/sys`` and hides the cgroup tree), ``unshare --uts``,
 set the hostname, exec.
 
@@ -36,6 +39,7 @@ import contextlib
 import fcntl
 import ipaddress
 import json
+import math
 import os
 import re
 import shlex
@@ -78,7 +82,7 @@ def period_us(cpu: float) -> int:
     return PERIOD_US if cpu * PERIOD_US >= MIN_QUOTA_US else LONG_PERIOD_US
 # A node's name becomes the host end of its veth, "mpt-" + name: Linux allows 15 characters.
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,10}$")
-NODE_KEYS = {"cpu", "link_mbit", "slots"}
+NODE_KEYS = {"cpu", "link_mbit", "slots", "cores"}
 
 
 class TestbedError(ValueError):
@@ -89,14 +93,19 @@ class TestbedError(ValueError):
 
 @dataclass(frozen=True)
 class Node:
-    """One emulated node: its CPU share (cores, 0.125 = an eighth of one), link rate and MPI slots."""
+    """One emulated node: its CPU share (cores, 0.125 = an eighth of one), link rate, MPI
+    slots, and the machine's cores it runs on (empty: placed by :meth:`Testbed.cores`)."""
 
     name: str
     cpu: float
     link_mbit: float
     slots: int = 1
+    cores: tuple[int, ...] = ()
 
     __test__ = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cores", tuple(self.cores))  # a list from JSON compares equal
 
     @property
     def host(self) -> str:
@@ -121,6 +130,36 @@ class Testbed:
     def address(self, node: Node) -> ipaddress.IPv4Address:
         """The node's address: the bridge's plus the node's place in the file."""
         return self.subnet.network_address + 2 + self.nodes.index(node)
+
+    def cores(self) -> dict[str, tuple[int, ...]]:
+        """Every node's cores: the ones its file names, else the least loaded ones.
+
+        Why pin at all: on a machine of few cores the scheduler moves nodes between
+        cores, and two nodes that land on one core take turns for the length of a run.
+        Which pairs do changes from run to run. Measured on the 7-node ResPipe testbed of
+        bench/cluster.py at 100 Mbit/s, 3 interleaved pairs of runs (plain pipeline, cold
+        R=10) each way: step time overheads -0.009, 0.025, 0.003 pinned against 0.050,
+        0.100, 0.076 unpinned, where the replicas cost about 0.01. Placement: nodes in order of falling
+        share (file order among equals), each on ``ceil(cpu)`` cores with the least
+        share placed so far (lowest number among equals), after the nodes that name
+        their cores. A core may end up with more share than it has: its nodes then take
+        turns on it as CFS decides (``status`` shows the placement).
+        """
+        machine = os.cpu_count() or 1
+        load = [0.0] * machine
+        out: dict[str, tuple[int, ...]] = {}
+        for n in self.nodes:
+            if n.cores:
+                out[n.name] = n.cores
+                for c in n.cores:
+                    load[c % machine] += n.cpu / len(n.cores)
+        for n in sorted((n for n in self.nodes if not n.cores), key=lambda n: -n.cpu):
+            k = min(machine, max(1, math.ceil(n.cpu - 1e-9)))
+            chosen = tuple(sorted(sorted(range(machine), key=lambda c: (load[c], c))[:k]))
+            for c in chosen:
+                load[c] += n.cpu / k
+            out[n.name] = chosen
+        return out
 
     def node(self, name: str) -> Node:
         """The node called ``name`` (with or without the ``mpt-`` prefix)."""
@@ -196,11 +235,25 @@ def load(path: str | os.PathLike) -> Testbed:
         slots = spec.get("slots", 1)
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise TestbedError(f"{at}.slots = {slots!r}: must be a whole number of MPI ranks, at least 1")
-        nodes.append(Node(name, float(spec["cpu"]), float(spec["link_mbit"]), slots))
+        nodes.append(Node(name, float(spec["cpu"]), float(spec["link_mbit"]), slots,
+                          _cores(spec.get("cores", []), spec["cpu"], cores, at)))
     if len(nodes) + 2 > subnet.num_addresses - 1:
         raise TestbedError(f"{where}: subnet {subnet} has too few addresses for {len(nodes)} nodes and the "
                            f"host; use a larger one such as /24")
     return Testbed(tuple(nodes), subnet)
+
+
+def _cores(value: object, cpu: float, machine: int, at: str) -> tuple[int, ...]:
+    """A node's ``cores`` list, checked: distinct cores of this machine, enough for its share."""
+    ok = isinstance(value, list) and all(isinstance(c, int) and not isinstance(c, bool) for c in value)
+    if not ok or len(set(value)) != len(value) or any(not 0 <= c < machine for c in value):  # type: ignore[union-attr]
+        raise TestbedError(f"{at}.cores = {value!r}: must be a list of distinct core numbers from 0 to "
+                           f"{machine - 1} (this machine's), e.g. [0]; leave it out to let the testbed place "
+                           f"the node")
+    if value and cpu > len(value):  # type: ignore[arg-type]
+        raise TestbedError(f"{at}: cpu = {cpu} cannot run on {len(value)} core(s) {value}; "  # type: ignore[arg-type]
+                           f"name at least {math.ceil(cpu)} cores or lower cpu")
+    return tuple(value)  # type: ignore[arg-type]
 
 
 # -- the machine ------------------------------------------------------------------------------
@@ -233,6 +286,10 @@ def check_supported() -> None:
     if _cgroup_parent() is None:
         raise TestbedError(f"no cgroup CPU controller under {CGROUP_ROOT} (neither v1 cpu/ nor v2 with "
                            f"'cpu' in cgroup.subtree_control); the testbed cannot give nodes a CPU budget")
+    if _cpuset_parent() is None:
+        raise TestbedError(f"no cgroup cpuset controller under {CGROUP_ROOT} (neither v1 cpuset/ nor v2 with "
+                           f"'cpuset' in cgroup.subtree_control); the testbed cannot give nodes cores of their "
+                           f"own (under v2: echo +cpuset > {CGROUP_ROOT}/cgroup.subtree_control)")
 
 
 def _cgroup_parent() -> Path | None:
@@ -244,6 +301,29 @@ def _cgroup_parent() -> Path | None:
     if controllers.exists() and "cpu" in controllers.read_text().split():
         return CGROUP_ROOT
     return None
+
+
+def _cpuset_parent() -> Path | None:
+    """Where node cpusets go: v1's cpuset hierarchy, or the v2 root if it delegates 'cpuset'."""
+    v1 = CGROUP_ROOT / "cpuset"
+    if (v1 / "cpuset.cpus").exists():
+        return v1
+    controllers = CGROUP_ROOT / "cgroup.subtree_control"
+    if controllers.exists() and "cpuset" in controllers.read_text().split():
+        return CGROUP_ROOT
+    return None
+
+
+def _groups() -> list[Path]:
+    """Every testbed cgroup on this machine, in each hierarchy that can hold one."""
+    parents = (CGROUP_ROOT / "cpu", CGROUP_ROOT / "cpuset", CGROUP_ROOT)
+    return [g for p in parents if p.is_dir() for g in sorted(p.glob(PREFIX + "*")) if g.is_dir()]
+
+
+def _set_cores(group: Path, parent: Path, cores: Sequence[int]) -> None:
+    if (parent / "cpuset.mems").exists():  # v1: a cpuset takes no task before it has memory nodes
+        (group / "cpuset.mems").write_text((parent / "cpuset.mems").read_text().strip() or "0")
+    (group / "cpuset.cpus").write_text(",".join(map(str, cores)))
 
 
 def _set_cpu(group: Path, cpu: float) -> None:
@@ -296,9 +376,7 @@ def leftovers() -> list[str]:
         name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
         if name.startswith(PREFIX):
             found.append(f"link {name}")
-    for parent in (CGROUP_ROOT / "cpu", CGROUP_ROOT):
-        if parent.is_dir():
-            found += [f"cgroup {g}" for g in sorted(parent.glob(PREFIX + "*")) if g.is_dir()]
+    found += [f"cgroup {g}" for g in _groups()]
     if HOSTS.exists():
         found += [f"hosts line {line!r}" for line in HOSTS.read_text().splitlines() if line.endswith(HOSTS_TAG)]
     if STATE.exists():
@@ -356,8 +434,9 @@ def _up(tb: Testbed) -> None:
     _cmd("ip", "link", "add", BRIDGE, "type", "bridge")
     _cmd("ip", "addr", "add", f"{tb.bridge_address}/{plen}", "dev", BRIDGE)
     _cmd("ip", "link", "set", BRIDGE, "up")
-    parent = _cgroup_parent()
-    assert parent is not None  # check_supported
+    parent, cpusets = _cgroup_parent(), _cpuset_parent()
+    assert parent is not None and cpusets is not None  # check_supported
+    cores = tb.cores()
     hosts = []
     for node in tb.nodes:
         ns = node.host
@@ -372,8 +451,15 @@ def _up(tb: Testbed) -> None:
         group = parent / ns
         group.mkdir()
         _set_cpu(group, node.cpu)
-        # What the rsh agent reads: the file it writes its pid to in order to join the node.
-        (STATE / "nodes" / ns).write_text(str(group / "cgroup.procs") + "\n")
+        joins = [group / "cgroup.procs"]
+        if cpusets != parent:  # v1: the cores are a group of their own, in the cpuset hierarchy
+            group = cpusets / ns
+            group.mkdir()
+            joins.append(group / "cgroup.procs")
+        _set_cores(group, cpusets, cores[node.name])
+        # What the rsh agent reads: the files it writes its pid to in order to join the node
+        # (the CPU budget's first: node faults read that one).
+        (STATE / "nodes" / ns).write_text("".join(f"{j}\n" for j in joins))
         hosts.append(f"{tb.address(node)} {ns} {HOSTS_TAG}")
     with open(HOSTS, "a") as f:  # appended in place: /etc/hosts may be a bind mount
         text = HOSTS.read_text()
@@ -398,7 +484,7 @@ def down() -> list[str]:
 def _down() -> list[str]:
     removed = leftovers()
     netns = [n for n in _cmd("ip", "netns", "list", check=False).stdout.split() if n.startswith(PREFIX)]
-    groups = [g for p in (CGROUP_ROOT / "cpu", CGROUP_ROOT) if p.is_dir() for g in p.glob(PREFIX + "*") if g.is_dir()]
+    groups = _groups()
     # Every process of a node: in its cgroup (joined first) or its namespace (entered second).
     give_up = time.monotonic() + 10
     while True:
@@ -523,9 +609,11 @@ def node_command(tb: Testbed, node: str, argv: Sequence[str]) -> list[str]:
 def _print_nodes(tb: Testbed) -> None:
     print(f"testbed: {len(tb.nodes)} nodes on {tb.subnet} (host {tb.bridge_address} on {BRIDGE}); "
           f"hostfile {STATE / 'hostfile'}")
-    print(f"  {'node':<16}{'address':<16}{'cpu':>7}{'link':>13}{'slots':>7}")
+    print(f"  {'node':<16}{'address':<16}{'cpu':>7}{'link':>13}{'slots':>7}  cores")
+    cores = tb.cores()
     for n in tb.nodes:
-        print(f"  {n.host:<16}{str(tb.address(n)):<16}{n.cpu:>7g}{n.link_mbit:>8g} Mbit{n.slots:>7}")
+        print(f"  {n.host:<16}{str(tb.address(n)):<16}{n.cpu:>7g}{n.link_mbit:>8g} Mbit{n.slots:>7}  "
+              f"{','.join(map(str, cores[n.name]))}")
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

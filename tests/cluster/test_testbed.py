@@ -41,6 +41,9 @@ def test_three_nodes_come_up(bed: testbed.Testbed) -> None:
             assert (quota.parent / "cpu.cfs_period_us").read_text().strip() == "10000"
         else:
             assert Path(f"/sys/fs/cgroup/{node.host}/cpu.max").read_text().split() == ["5000", "10000"]
+        # its own cores, the same in every run (Testbed.cores)
+        cores = _in_node(bed, node.name, sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))")
+        assert cores.strip() == str(list(bed.cores()[node.name]))
         rate = "100Mbit" if node.name == "c" else "1Gbit"
         assert f"rate {rate}" in _in_node(bed, node.name, "tc", "qdisc", "show", "dev", "eth0")
         host_end = subprocess.run(["tc", "qdisc", "show", "dev", node.host], capture_output=True, text=True)
@@ -148,7 +151,7 @@ def test_down_leaves_nothing_behind(bed: testbed.Testbed) -> None:
                 if n.startswith("mpt-")]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert "mpt-" not in links
-    assert not list(Path("/sys/fs/cgroup/cpu").glob("mpt-*")) and not list(Path("/sys/fs/cgroup").glob("mpt-*"))
+    assert not [g for d in ("cpu", "cpuset", ".") for g in Path("/sys/fs/cgroup", d).glob("mpt-*")]
     assert testbed.HOSTS_TAG not in Path("/etc/hosts").read_text()
     assert testbed.current() is None
     assert testbed.down() == []  # idempotent
