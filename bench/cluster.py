@@ -3,8 +3,10 @@
     flock /run/mpt-session.lock python bench/cluster.py [--json] [--quick]
 
 Each node of the testbed (mpipipe/core/testbed.py) is a network namespace with its own link
-shaped by ``tc tbf`` (rate only: no delay or loss) and a cgroup CPU quota, so a rank's
-compute is the same in every run whatever else runs: the plain pipeline, ResPipe and
+shaped by ``tc tbf`` (rate only: no delay or loss), a cgroup CPU quota and cores of its own
+(``Testbed.cores``: here n0, n2, n4, n6 on core 0 and n1, n3, n5 on core 1; the Stannis host
+alone on core 0, its CSDs on core 1), so a rank's compute is the same in every run whatever
+else runs: the plain pipeline, ResPipe and
 the single host all compute at the same fixed share. ResPipe jobs get 7 nodes of
 ``CPU`` cores each: stages 0..2 on nodes n0..n2, their backups (or, for the plain
 pipeline, spare ranks that idle outside the route, as bench/resilience.py does) on
