@@ -21,6 +21,15 @@ CSD = register_role_kind(RoleKind("csd", "Stannis"))
 # Power figures are assumptions for the power model, not measurements: a
 # two-socket-class host CPU and an ARM-based CSD (NGD Newport class). Replace
 # them with your hardware's figures; the log records which were used.
+# Gradient bytes per bucket of the exchange: under Open MPI's TCP eager limit (64 KiB with
+# its headers), so that a bucket goes out at Isend, without a rendezvous that waits for the
+# receiver's attention, and small enough that the last layers' buckets leave while backward
+# still runs (WeightedAllreduce's Overlap). Measured on the Stannis testbed (LeNet, 248 KB,
+# 25 steps per run): the exchange as the slowest rank sees it took about 100 ms with one
+# 4 MiB bucket, about 60 ms with 60 KiB buckets, and about 25 ms with those sent during
+# backward. Each bucket costs the host a few MPI calls: raise it for large models.
+BUCKET_BYTES = 60 << 10
+
 STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {
         "seed": 0,  # seeds torch, every rank's shuffle and fault injection
@@ -59,7 +68,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "settle_threshold": 0.1,
         "settle_min_gain": 0.03,
         "max_oversample": 2.0,  # a rank's batch share <= this x its share of the records (0: off)
-        "bucket_bytes": 4194304,  # gradient bytes per exchange bucket
+        "bucket_bytes": BUCKET_BYTES,  # gradient bytes per exchange bucket (see BUCKET_BYTES)
         # how gradients are summed: "host" (a star through the host: every CSD link carries
         # its gradients once each way; for CSDs behind the host's faster link) or
         # "allreduce" (MPI's Iallreduce; for ranks on links of equal speed)

@@ -587,6 +587,12 @@ class Trainer:
         self.stretch.extra = self.faults.slowdown(index)
         b = self.batches[pos]
         error = None
+        if b > 0 and self.stretch.factor == 1.0:
+            # Gradients go up while backward still runs (WeightedAllreduce's Overlap). Not
+            # on an emulated CSD: its backward runs at the host's pace and then sleeps off
+            # the slow-down, so its gradients would be ready far earlier than a real slow
+            # device's and the overlap would hide more than it could.
+            self.reducer.arm(b)
         try:
             compute_s, loss_sum = self._compute(b)
         except DataFault as e:  # every rank learns it in this step's exchange, and stops

@@ -24,7 +24,8 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _check(comm: MPI.Comm, sizes: list[int], bucket_bytes: int, exchange: str = "allreduce") -> None:
+def _check(comm: MPI.Comm, sizes: list[int], bucket_bytes: int, exchange: str = "allreduce",
+           overlap: bool = False) -> None:
     assert len(sizes) == comm.Get_size()
     x, y = _union_batch(sum(sizes))
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -36,9 +37,20 @@ def _check(comm: MPI.Comm, sizes: list[int], bucket_bytes: int, exchange: str = 
     model = _model()
     start = sum(sizes[:comm.Get_rank()])
     b = sizes[comm.Get_rank()]
-    if b > 0:
-        loss_fn(model(x[start:start + b]), y[start:start + b]).backward()
     reducer = WeightedAllreduce(comm, model.parameters(), bucket_bytes=bucket_bytes, exchange=exchange)
+    leaf = overlap and exchange == "host" and comm.Get_rank() != 0
+    sent_before_first_layer = []
+    if b > 0:
+        if overlap:
+            reducer.arm(b)
+            first = model[0].weight  # its gradient is among the last backward produces
+            first.register_post_accumulate_grad_hook(lambda _p: sent_before_first_layer.append(reducer.calls))
+        loss_fn(model(x[start:start + b]), y[start:start + b]).backward()
+        if leaf:
+            # a leaf sent the last layers' buckets while backward still ran, and all of
+            # them by its end: reduce only waits
+            assert sent_before_first_layer[0] > 0
+            assert reducer.calls == len(reducer.buckets)
     total = reducer.reduce(b)
     assert total == sum(sizes)
     assert reducer.calls == len(reducer.buckets) > 1
@@ -50,11 +62,12 @@ def _check(comm: MPI.Comm, sizes: list[int], bucket_bytes: int, exchange: str = 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bucket_bytes", [256, 1024, 4096])
 @pytest.mark.parametrize("exchange", ["allreduce", "host"])
-def test_unequal_batches_match_union_batch(bucket_bytes: int, exchange: str) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_unequal_batches_match_union_batch(bucket_bytes: int, exchange: str, overlap: bool) -> None:
     comm = MPI.COMM_WORLD
     sizes = [3 + 5 * r for r in range(comm.Get_size())]
-    _check(comm, sizes, bucket_bytes, exchange)
-    _check(comm, sizes[::-1], bucket_bytes, exchange)  # again, with other batches: buffers reused
+    _check(comm, sizes, bucket_bytes, exchange, overlap)
+    _check(comm, sizes[::-1], bucket_bytes, exchange, overlap)  # again, with other batches: buffers reused
 
 
 @pytest.mark.mpi(min_size=2)
@@ -65,8 +78,10 @@ def test_rank_with_empty_batch_contributes_nothing(exchange: str) -> None:
     sizes = [7 + r for r in range(comm.Get_size())]
     sizes[1] = 0
     _check(comm, sizes, 512, exchange)
+    _check(comm, sizes, 512, exchange, overlap=True)
     sizes[0] = 0  # the root's own batch empty too: it still sums and sends
     _check(comm, sizes, 512, exchange)
+    _check(comm, sizes, 512, exchange, overlap=True)
 
 
 @pytest.mark.mpi(min_size=4)  # two sub-communicators of at least two ranks each
