@@ -136,10 +136,8 @@ class Testbed:
 
         Why pin at all: on a machine of few cores the scheduler moves nodes between
         cores, and two nodes that land on one core take turns for the length of a run.
-        Which pairs do changes from run to run. Measured on the 7-node ResPipe testbed of
-        bench/cluster.py at 100 Mbit/s, 3 interleaved pairs of runs (plain pipeline, cold
-        R=10) each way: step time overheads -0.009, 0.025, 0.003 pinned against 0.050,
-        0.100, 0.076 unpinned, where the replicas cost about 0.01. Placement: nodes in order of falling
+        Which pairs do changes from run to run; pinned, the placement is the same in
+        every run (the machine's own pace still drifts: docs/benchmarks.md). Placement: nodes in order of falling
         share (file order among equals), each on ``ceil(cpu)`` cores with the least
         share placed so far (lowest number among equals), after the nodes that name
         their cores. A core may end up with more share than it has: its nodes then take
