@@ -281,33 +281,23 @@ def check_supported() -> None:
     if missing:
         raise TestbedError(f"the testbed needs {', '.join(TOOLS)}; missing: {', '.join(missing)} "
                            f"(apt-get install iproute2 util-linux)")
-    if _cgroup_parent() is None:
+    if _parent("cpu") is None:
         raise TestbedError(f"no cgroup CPU controller under {CGROUP_ROOT} (neither v1 cpu/ nor v2 with "
                            f"'cpu' in cgroup.subtree_control); the testbed cannot give nodes a CPU budget")
-    if _cpuset_parent() is None:
+    if _parent("cpuset") is None:
         raise TestbedError(f"no cgroup cpuset controller under {CGROUP_ROOT} (neither v1 cpuset/ nor v2 with "
                            f"'cpuset' in cgroup.subtree_control); the testbed cannot give nodes cores of their "
                            f"own (under v2: echo +cpuset > {CGROUP_ROOT}/cgroup.subtree_control)")
 
 
-def _cgroup_parent() -> Path | None:
-    """Where node cgroups go: v1's cpu hierarchy, or the v2 root if it delegates 'cpu'."""
-    v1 = CGROUP_ROOT / "cpu"
-    if (v1 / "cpu.cfs_quota_us").exists():
+def _parent(controller: str) -> Path | None:
+    """Where node cgroups of ``controller`` ("cpu": the quota, "cpuset": the cores) go:
+    its v1 hierarchy, or the v2 root if that delegates the controller."""
+    v1 = CGROUP_ROOT / controller
+    if (v1 / f"{controller}.{'cpus' if controller == 'cpuset' else 'cfs_quota_us'}").exists():
         return v1
     controllers = CGROUP_ROOT / "cgroup.subtree_control"
-    if controllers.exists() and "cpu" in controllers.read_text().split():
-        return CGROUP_ROOT
-    return None
-
-
-def _cpuset_parent() -> Path | None:
-    """Where node cpusets go: v1's cpuset hierarchy, or the v2 root if it delegates 'cpuset'."""
-    v1 = CGROUP_ROOT / "cpuset"
-    if (v1 / "cpuset.cpus").exists():
-        return v1
-    controllers = CGROUP_ROOT / "cgroup.subtree_control"
-    if controllers.exists() and "cpuset" in controllers.read_text().split():
+    if controllers.exists() and controller in controllers.read_text().split():
         return CGROUP_ROOT
     return None
 
@@ -432,7 +422,7 @@ def _up(tb: Testbed) -> None:
     _cmd("ip", "link", "add", BRIDGE, "type", "bridge")
     _cmd("ip", "addr", "add", f"{tb.bridge_address}/{plen}", "dev", BRIDGE)
     _cmd("ip", "link", "set", BRIDGE, "up")
-    parent, cpusets = _cgroup_parent(), _cpuset_parent()
+    parent, cpusets = _parent("cpu"), _parent("cpuset")
     assert parent is not None and cpusets is not None  # check_supported
     cores = tb.cores()
     hosts = []
