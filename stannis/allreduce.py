@@ -110,6 +110,8 @@ class WeightedAllreduce:
         # Which buckets each parameter's slice touches (the weight slot is the last bucket's).
         self._touches = [range(off // per_bucket, (off + max(p.numel(), 1) - 1) // per_bucket + 1)
                          for p, off in zip(self.params, self.offsets, strict=True)]
+        # How many parameters each bucket waits for before it can go up.
+        self._needs = [sum(k in touched for touched in self._touches) for k in range(len(self.buckets))]
         self._armed: float | None = None  # the weight of the backward in flight, if armed
         self._copied: list[bool] = []
         self._missing: list[int] = []
@@ -141,10 +143,7 @@ class WeightedAllreduce:
         self._disarm()
         self._armed = float(weight)
         self._copied = [False] * len(self.params)
-        self._missing = [0] * len(self.buckets)
-        for touched in self._touches:
-            for k in touched:
-                self._missing[k] += 1
+        self._missing = list(self._needs)
         self.flat[-1] = float(weight)
 
     def _on_grad(self, i: int) -> None:

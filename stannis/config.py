@@ -18,9 +18,6 @@ from .hypertune import OBJECTIVES
 HOST = register_role_kind(RoleKind("host", "Stannis", indexed=False, writes_log=True))
 CSD = register_role_kind(RoleKind("csd", "Stannis"))
 
-# Power figures are assumptions for the power model, not measurements: a
-# two-socket-class host CPU and an ARM-based CSD (NGD Newport class). Replace
-# them with your hardware's figures; the log records which were used.
 # Gradient bytes per bucket of the exchange: under Open MPI's TCP eager limit (64 KiB with
 # its headers), so that a bucket goes out at Isend, without a rendezvous that waits for the
 # receiver's attention, and small enough that the last layers' buckets leave while backward
@@ -30,6 +27,9 @@ CSD = register_role_kind(RoleKind("csd", "Stannis"))
 # backward. Each bucket costs the host a few MPI calls: raise it for large models.
 BUCKET_BYTES = 60 << 10
 
+# Power figures are assumptions for the power model, not measurements: a
+# two-socket-class host CPU and an ARM-based CSD (NGD Newport class). Replace
+# them with your hardware's figures; the log records which were used.
 STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {
         "seed": 0,  # seeds torch, every rank's shuffle and fault injection

@@ -243,15 +243,16 @@ def load(path: str | os.PathLike) -> Testbed:
 
 def _cores(value: object, cpu: float, machine: int, at: str) -> tuple[int, ...]:
     """A node's ``cores`` list, checked: distinct cores of this machine, enough for its share."""
-    ok = isinstance(value, list) and all(isinstance(c, int) and not isinstance(c, bool) for c in value)
-    if not ok or len(set(value)) != len(value) or any(not 0 <= c < machine for c in value):  # type: ignore[union-attr]
+    cores = value if isinstance(value, list) else [None]
+    if any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < machine for c in cores) \
+            or len(set(cores)) != len(cores):
         raise TestbedError(f"{at}.cores = {value!r}: must be a list of distinct core numbers from 0 to "
                            f"{machine - 1} (this machine's), e.g. [0]; leave it out to let the testbed place "
                            f"the node")
-    if value and cpu > len(value):  # type: ignore[arg-type]
-        raise TestbedError(f"{at}: cpu = {cpu} cannot run on {len(value)} core(s) {value}; "  # type: ignore[arg-type]
+    if cores and cpu > len(cores):
+        raise TestbedError(f"{at}: cpu = {cpu} cannot run on {len(cores)} core(s) {cores}; "
                            f"name at least {math.ceil(cpu)} cores or lower cpu")
-    return tuple(value)  # type: ignore[arg-type]
+    return tuple(cores)
 
 
 # -- the machine ------------------------------------------------------------------------------
@@ -290,11 +291,15 @@ def check_supported() -> None:
                            f"own (under v2: echo +cpuset > {CGROUP_ROOT}/cgroup.subtree_control)")
 
 
+# A file that only a mounted v1 hierarchy of each controller the testbed uses has.
+_V1_FILE = {"cpu": "cpu.cfs_quota_us", "cpuset": "cpuset.cpus"}
+
+
 def _parent(controller: str) -> Path | None:
     """Where node cgroups of ``controller`` ("cpu": the quota, "cpuset": the cores) go:
     its v1 hierarchy, or the v2 root if that delegates the controller."""
     v1 = CGROUP_ROOT / controller
-    if (v1 / f"{controller}.{'cpus' if controller == 'cpuset' else 'cfs_quota_us'}").exists():
+    if (v1 / _V1_FILE[controller]).exists():
         return v1
     controllers = CGROUP_ROOT / "cgroup.subtree_control"
     if controllers.exists() and controller in controllers.read_text().split():
