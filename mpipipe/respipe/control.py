@@ -75,6 +75,15 @@ class _Control:
                 pass
         self._sends = still
 
+    def quiet(self) -> bool:
+        """True when no message of any kind waits here: one probe instead of one per code
+        and peer. False also when that cannot be known (under ULFM an any-source probe
+        fails once a rank has died), so that the caller then looks message by message."""
+        try:
+            return not self.comm.Iprobe(self.MPI.ANY_SOURCE, self.MPI.ANY_TAG)
+        except Exception:  # noqa: BLE001 - a failed rank: look at each message
+            return False
+
     def poll(self, code: int, source: int, seq: int = 0) -> np.ndarray | None:
         """One waiting message with this code from ``source``, or None (never blocks)."""
         status = self.MPI.Status()
