@@ -409,12 +409,13 @@ def test_a_backup_looks_often_only_when_a_replica_is_due(monkeypatch) -> None:
 def test_the_control_plane_is_quiet_until_a_message_waits() -> None:
     from mpi4py import MPI
 
-    from mpipipe.respipe.control import _END, _Control
+    from mpipipe.respipe.control import _END, _STOP, _Control
 
     c = _Control(MPI.COMM_SELF.Dup())
-    assert c.quiet()
-    c.send(_END, 0, [1.0])
-    assert not c.quiet()
-    assert c.poll(_END, 0) is not None
-    assert c.quiet()
+    assert c.quiet() and c.quiet(_END)
+    c.send(_END, 0, [1.0], seq=3)
+    assert not c.quiet() and not c.quiet(_END, seq=3)
+    assert c.quiet(_END) and c.quiet(_STOP, seq=3)  # another seq, another code
+    assert c.poll(_END, 0, seq=3) is not None
+    assert c.quiet() and c.quiet(_END, seq=3)
     c.comm.Free()

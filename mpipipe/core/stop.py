@@ -185,7 +185,8 @@ class ControlStop:
       changes no parameter before its end), writes its checkpoint and tells its
       backups the run is over.
 
-    ``rp`` is the ResPipe (members, route_w, stage, done, control, _drank).
+    ``rp`` is the ResPipe (members, route_w, stage, done, control, _drank); its
+    ``control`` has ``send``, ``poll`` and ``quiet`` (mpipipe.respipe.control._Control).
     """
 
     def __init__(self, rp: Any, code: int, ask_code: int) -> None:
@@ -207,6 +208,8 @@ class ControlStop:
 
     def poll(self) -> None:
         """Read any STOP waiting from another member (a data error wins over a signal)."""
+        if self.rp.control.quiet(self.code):
+            return
         for w in self._others():
             msg = self.rp.control.poll(self.code, self.rp._drank(w), seq=0)
             if msg is None:
@@ -225,9 +228,9 @@ class ControlStop:
             rp.control.send(self.ask_code, rp._drank(rp.route_w[0]), [1], seq=0)
             self.asked = True
         if self.pending is None and decider and boundary:
-            asked = _requested is not None or any(
+            asked = _requested is not None or (not rp.control.quiet(self.ask_code) and any(
                 rp.control.poll(self.ask_code, rp._drank(w), seq=0) is not None
-                for w in self._others())
+                for w in self._others()))
             if asked:
                 self.pending = StopRun("signal", _requested or "SIGTERM", rp.done + 1)
                 self._send(SIGNAL, rp.done + 1, self.pending.message)

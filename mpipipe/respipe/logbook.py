@@ -56,8 +56,8 @@ class Logbook:
 
     def _drain_fault_notes(self, new_writer: bool = False) -> None:
         """The log writer (or the rank about to become it) reads the fault notes."""
-        if not (self.is_logger or new_writer):
-            return
+        if not (self.is_logger or new_writer) or not self.settings.faults:
+            return  # (without injected faults there are none to read)
         for w in self.members:
             if w == self.wrank:
                 continue
