@@ -112,6 +112,8 @@ class WeightedAllreduce:
                          for p, off in zip(self.params, self.offsets, strict=True)]
         # How many parameters each bucket waits for before it can go up.
         self._needs = [sum(k in touched for touched in self._touches) for k in range(len(self.buckets))]
+        # A leaf of the star: the rank that sends its buckets up during backward (Overlap).
+        self._leaf = exchange == "host" and comm.Get_size() > 1 and comm.Get_rank() != root
         self._armed: float | None = None  # the weight of the backward in flight, if armed
         self._copied: list[bool] = []
         self._missing: list[int] = []
@@ -156,7 +158,7 @@ class WeightedAllreduce:
         self._copied[i] = True
         for k in self._touches[i]:
             self._missing[k] -= 1
-        if self.exchange == "host" and self.comm.Get_size() > 1 and self.comm.Get_rank() != self.root:
+        if self._leaf:
             while self._next < len(self.buckets) and self._missing[self._next] == 0:
                 self._early += self._send_up(self._next)
                 self._next += 1
@@ -243,7 +245,7 @@ class WeightedAllreduce:
         others = [r for r in range(comm.Get_size()) if r != root]
         if comm.Get_rank() != root:
             requests = [*alongside, *self._early]  # the buckets sent during backward, if armed
-            for k in range(self._next if self._armed is not None else 0, len(self.buckets)):
+            for k in range(self._next, len(self.buckets)):  # (0 unless armed)
                 requests += self._send_up(k)
             self._wait(requests)
             self._buf[:] = self._down_buffer()
