@@ -382,29 +382,7 @@ def test_a_backup_fires_only_the_faults_aimed_at_its_rank() -> None:
     assert plan.at_step(5) == 2.0  # as the stage it was, the delay applies
 
 
-# -- a cold backup's wait between replicas ----------------------------------------------------
-
-def test_a_backup_looks_often_only_when_a_replica_is_due(monkeypatch) -> None:
-    from mpipipe.respipe import replicas
-
-    class Backup(replicas.Replicas):
-        arrivals: list[tuple[int, float]] = []
-
-    b, now = Backup(), 100.0
-    monkeypatch.setattr(replicas.time, "perf_counter", lambda: now)
-    assert b._backup_pause(20) == replicas.PAUSE_MIN_S  # no pace known yet
-    b.arrivals = [(10, 99.0)]
-    assert b._backup_pause(20) == replicas.PAUSE_MIN_S
-    # replicas of steps 10 and 20 came 0.4 s apart: the one of step 30 is due at 100.4
-    b.arrivals = [(10, 99.6), (20, 100.0)]
-    assert b._backup_pause(30) == replicas.PAUSE_MAX_S  # 0.2 s away: the longest pause
-    now = 100.39
-    assert b._backup_pause(30) == pytest.approx(0.005)  # half the time left
-    now = 100.5  # overdue: look at the shortest pause
-    assert b._backup_pause(30) == replicas.PAUSE_MIN_S
-    b.arrivals = [(20, 99.0), (20, 100.0)]  # one step twice (a re-sync): no pace
-    assert b._backup_pause(30) == replicas.PAUSE_MIN_S
-
+# -- the control plane's one-probe look ----------------------------------------------------
 
 def test_the_control_plane_is_quiet_until_a_message_waits() -> None:
     from mpi4py import MPI

@@ -21,10 +21,10 @@ from mpipipe.respipe.messages import Decision
 from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 
 _BACKUP_POLL_S = 0.02
-# A cold backup between two replicas sleeps half the time to the next one it expects,
-# within these bounds (see Replicas._backup_pause).
-PAUSE_MIN_S = 0.001
-PAUSE_MAX_S = 0.02
+# A cold backup looks for its next replica this often. Not less often: a replica larger
+# than MPI's eager limit leaves its stage only once the backup receives it, and the stage
+# waits for that within its deadline, which deadline_factor can make a few milliseconds.
+PAUSE_S = 0.001
 
 
 @dataclass
@@ -122,29 +122,9 @@ class Replicas:
         if self._probe(stage_w, t.tag(REPLICA, nxt)):
             self._take_replica(stage_w, k, nxt, t)
             self.done = nxt
-            self.arrivals = [*self.arrivals[-1:], (nxt, time.perf_counter())]
         else:
-            time.sleep(self._backup_pause(nxt))
+            time.sleep(PAUSE_S)
         return False
-
-    def _backup_pause(self, nxt: int) -> float:
-        """How long a cold backup sleeps before it looks for the replica of step ``nxt``
-        again: half the time until that replica is due, at the pace of the last two
-        (``arrivals``), within [PAUSE_MIN_S, PAUSE_MAX_S].
-
-        Why: a replica larger than MPI's eager limit leaves its stage only once the backup
-        receives it, so the stage waits for the backup's next look; yet every look costs
-        CPU, and a backup shares its node's cores. Looking often only when a replica is
-        due costs the stage at most PAUSE_MIN_S at the pace it keeps, and PAUSE_MAX_S once
-        when the pace jumps (a takeover, a slower or faster stage).
-        """
-        if len(self.arrivals) < 2:
-            return PAUSE_MIN_S
-        (c0, t0), (c1, t1) = self.arrivals
-        if c1 <= c0:
-            return PAUSE_MIN_S
-        due = t1 + (t1 - t0) / (c1 - c0) * (nxt - c1)
-        return min(PAUSE_MAX_S, max(PAUSE_MIN_S, (due - time.perf_counter()) / 2))
 
     def _probe(self, source_w: int, tag: int) -> bool:
         """Is a data message from ``source_w`` waiting? A dead source raises PeerFailed."""
@@ -228,7 +208,6 @@ class Replicas:
             t.flush(deadline)
         elif self.shadowing is not None:
             self._take_resync(self.route_w[self.shadowing], self.shadowing, P, t, deadline)
-            self.arrivals = []  # the pace before the round says nothing of the one after
             if self.settings.mode == "hot":
                 params = self._params(self.shadowing)
                 if self.optimizer is None or self._mirror_of != self.shadowing:
