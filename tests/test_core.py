@@ -181,41 +181,6 @@ def test_runlog_writes_several_steps_at_once_like_one_by_one(tmp_path):
     assert list(batch.ranks[0]["bytes_sent"]) == [1, 2, 3]
 
 
-def test_step_rows_wait_in_memory_and_go_to_the_file_together(tmp_path, monkeypatch):
-    from mpipipe.core import runlog
-
-    log = RunLog(tmp_path / "run.h5", system="mpipipe", config={}, comm_size=1)
-    steps = log._file["steps"]
-
-    def on_file() -> int:
-        return steps["step"].shape[0] if "step" in steps else 0
-
-    def step(s: int) -> None:
-        log.step(s, loss=float(s), samples=4, samples_per_s=1.0, ranks={0: {"compute_s": 0.1}})
-
-    n = runlog.ROWS_PER_WRITE
-    for s in range(1, n):
-        step(s)
-    assert on_file() == 0  # not yet: they wait in memory
-    step(n)
-    assert on_file() == n  # a full batch goes at once
-    step(n + 1)
-    assert on_file() == n
-    log.event("checkpoint", step=n + 1)  # an event writes the rows before it
-    assert on_file() == n + 1
-    monkeypatch.setattr(runlog, "ROWS_WAIT_S", 0.0)  # rows older than this go at once
-    step(n + 2)
-    assert on_file() == n + 2
-    monkeypatch.setattr(runlog, "ROWS_WAIT_S", 60.0)
-    made_at = log.elapsed()
-    step(n + 3)
-    log.close("completed")  # and close writes what waits
-    run = open_log(tmp_path / "run.h5")
-    assert list(run.steps["step"]) == list(range(1, n + 4))
-    assert list(run.ranks[0]["step"]) == list(range(1, n + 4))
-    assert abs(run.steps["time"][-1] - made_at) < 0.5  # when made, not when written
-
-
 def test_runlog_failure_status_and_null(tmp_path):
     path = tmp_path / "run.h5"
     with pytest.raises(RuntimeError):
@@ -370,7 +335,6 @@ def test_open_log_reads_a_log_cut_mid_row(tmp_path):
     log = RunLog(path, system="mpipipe", config={}, comm_size=1)
     for s in (1, 2):
         log.step(s, loss=0.5, samples=4, samples_per_s=1.0)
-    log.write_rows()
     log._file["steps"]["step"].resize((3,))  # a kill between two column writes
     log._file.flush()
     run = open_log(path)

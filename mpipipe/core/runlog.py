@@ -103,13 +103,6 @@ def _append(group: h5py.Group, fields: Mapping[str, Any], rows: Sequence[Mapping
 
 _Method = TypeVar("_Method", bound=Callable[..., None])
 RETRY_OPEN_S = 0.25  # how often a new writer tries again to open a file still locked
-# Step rows wait in memory and go to the file together, at most this many, and no later
-# than this many seconds after the first of them. Why: a row costs some twenty HDF5
-# writes (one per column and rank), several milliseconds of the log writer's CPU, more
-# than a small model's step; together they cost what one does. A writer killed outright
-# loses what waited; ResPipe's ranks keep that many steps of figures to send a new one.
-ROWS_PER_WRITE = 16
-ROWS_WAIT_S = 1.0
 
 
 def _record(method: _Method) -> _Method:
@@ -162,8 +155,6 @@ class RunLog:
     _ready: Callable[[], bool] | None = None  # taken over: has the previous writer let go?
     _expected: range | None = None  # the step rows close() checks for
     _continued: dict[str, Any] | None = None  # a resumed run's log, not opened yet
-    _rows: list[dict[str, Any]] | None = None  # step rows not written yet (ROWS_PER_WRITE)
-    _rows_since = 0.0  # time.monotonic() of the first of them
 
     def __init__(
         self,
@@ -311,7 +302,6 @@ class RunLog:
         """Close the file without marking the run finished: another rank writes it now.
 
         Records still waiting for the file (it never opened) go to a side file."""
-        self.write_rows()
         if self._file is not None:
             self._file.close()
         elif self._queue:
@@ -438,21 +428,7 @@ class RunLog:
             check_columns("steps", (k for k in row if k != "ranks"), f"(step {row.get('step')})")
             for rank, figures in (row.get("ranks") or {}).items():
                 check_columns("ranks", figures, f"(rank {rank}, step {row.get('step')})")
-        if not self.active:
-            return
-        now = self.elapsed()  # a row's time is when it was made, not when it is written
-        if not self._rows:
-            self._rows, self._rows_since = [], time.monotonic()
-        self._rows += [{**r, "time": now if r.get("time") is None else r["time"]} for r in rows]
-        if len(self._rows) >= ROWS_PER_WRITE or time.monotonic() - self._rows_since >= ROWS_WAIT_S:
-            self.write_rows()
-
-    def write_rows(self) -> None:
-        """Write the step rows waiting in memory now (see ROWS_PER_WRITE); every method
-        that reads the file, closes or lets go of it does this first."""
-        rows, self._rows = self._rows, None
-        if rows:
-            self._steps(rows)
+        self._steps(rows)
 
     @_record
     def _steps(self, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -499,15 +475,10 @@ class RunLog:
         ``kind`` is an :class:`EventKind` (or its string); ``detail`` goes to the
         ``detail`` column as one JSON object.
 
-        The step rows waiting in memory are written first: an event (a checkpoint, a
-        fault, a takeover) is rare, and a file cut short after it holds every row before it.
-
         Raises:
             SchemaError: ``kind`` is not an EventKind (checked on every rank).
         """
-        kind = event_kind(kind).value
-        self.write_rows()
-        self._event(kind, step=step, rank=rank, time=time, **detail)
+        self._event(event_kind(kind).value, step=step, rank=rank, time=time, **detail)
 
     @_record
     def _event(self, kind: str, *, step: int, rank: int = -1, time: float | None = None, **detail: Any) -> None:
@@ -529,7 +500,6 @@ class RunLog:
     def written(self, name: str, group: str = "steps") -> np.ndarray:
         """Column ``/<group>/<name>`` as this writer's file holds it now (empty where this
         rank's file is not open): rows another writer wrote before this one took over too."""
-        self.write_rows()
         if self._file is None or name not in self._file[group]:
             return np.array([])
         return self._file[group][name][()]
@@ -557,7 +527,6 @@ class RunLog:
             LogError: the previous writer never let go, or the file could not be opened;
                 the records that waited, and the status, are in ``<log>.tail.h5``.
         """
-        self.write_rows()
         if self._file is None and self._queue is not None and not self._try_open(wait_s):
             raise self._cannot(f"still held by the run's previous log writer after "
                                f"{wait_s:.0f} s", status=status)

@@ -52,7 +52,6 @@ from mpipipe.core.data import DataFault
 from mpipipe.core.faults import FaultPlan
 from mpipipe.core.logschema import EventKind
 from mpipipe.core.lr import set_rate_for_step
-from mpipipe.core.runlog import ROWS_PER_WRITE
 from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
 from mpipipe.core.stop import ControlStop, StopRun
 from mpipipe.core.transport import Late, PeerFailed, set_wait_hook
@@ -138,9 +137,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self.ulfm = ft.ulfm_enabled()
         self.gen = 0
         self.log_w = plan.log_rank  # world rank writing the log (it opened it); a round moves it
-        # this rank's, for a new writer: the rows the old one had not written (the last
-        # step's, and those waiting in its memory) are rebuilt from them
-        self.recent_figs: deque[list[float]] = deque(maxlen=ROWS_PER_WRITE + 3)
+        self.recent_figs: deque[list[float]] = deque(maxlen=3)  # this rank's, for a new writer
         self._rebuilt: dict[int, list[int]] = {}  # new writer: step -> ranks resending figures
         data = self.world.Dup()
         data.Set_errhandler(MPI.ERRORS_RETURN)
