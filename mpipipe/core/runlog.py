@@ -123,10 +123,13 @@ def _record(method: _Method) -> _Method:
         if self._file is not None:
             method(self, *args, **kwargs)
         elif self._queue is not None:
-            # A record's time is when it was made, not when the file opened (step rows
-            # carry theirs from steps()).
-            if takes_time and kwargs.get("time") is None:
-                kwargs = {**kwargs, "time": self.elapsed()}
+            # A record's time is when it was made, not when the file opened.
+            now = self.elapsed()
+            if method.__name__ == "_steps":
+                args = ([{**r, "time": now if r.get("time") is None else r["time"]}
+                         for r in args[0]],)
+            elif takes_time and kwargs.get("time") is None:
+                kwargs = {**kwargs, "time": now}
             self._queue.append((method, args, kwargs))
 
     return write  # type: ignore[return-value]
@@ -437,8 +440,10 @@ class RunLog:
         if not rows:
             return
         assert self._file is not None
-        _append(self._file["steps"], _STEP_FIELDS,
-                [{k: v for k, v in row.items() if k != "ranks"} for row in rows])  # (timed by steps())
+        now = self.elapsed()
+        _append(self._file["steps"], _STEP_FIELDS, [
+            {**{k: v for k, v in row.items() if k != "ranks"},
+             "time": now if row.get("time") is None else row["time"]} for row in rows])
         per_rank: dict[int, list[Mapping[str, Any]]] = {}
         for row in rows:
             for rank, figures in (row.get("ranks") or {}).items():
