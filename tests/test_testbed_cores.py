@@ -73,3 +73,10 @@ def test_bad_cores_are_one_line_naming_the_node(tmp_path: Path, cores: str, cpu:
     with pytest.raises(TestbedError, match="nodes.a") as err:
         testbed.load(path)
     assert why in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_node_built_in_code_with_cores_the_machine_lacks_is_refused() -> None:
+    bed = Testbed((Node("a", 0.5, 100.0, cores=(3,)),), SUBNET)  # the machine has 0 and 1
+    with pytest.raises(TestbedError, match="node a") as err:
+        bed.cores()
+    assert "distinct core numbers from 0 to 1" in str(err.value)

@@ -142,15 +142,19 @@ class Testbed:
         share placed so far (lowest number among equals), after the nodes that name
         their cores. A core may end up with more share than it has: its nodes then take
         turns on it as CFS decides (``status`` shows the placement).
+
+        Raises:
+            TestbedError: a node built in code names cores this machine lacks (a file's
+                are checked when it is read).
         """
         machine = os.cpu_count() or 1
         load = [0.0] * machine
         out: dict[str, tuple[int, ...]] = {}
         for n in self.nodes:
             if n.cores:
-                out[n.name] = n.cores
+                out[n.name] = _cores(list(n.cores), n.cpu, machine, f"node {n.name}")
                 for c in n.cores:
-                    load[c % machine] += n.cpu / len(n.cores)
+                    load[c] += n.cpu / len(n.cores)
         for n in sorted((n for n in self.nodes if not n.cores), key=lambda n: -n.cpu):
             k = min(machine, max(1, math.ceil(n.cpu - 1e-9)))
             chosen = tuple(sorted(sorted(range(machine), key=lambda c: (load[c], c))[:k]))
