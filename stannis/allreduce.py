@@ -64,11 +64,6 @@ class WeightedAllreduce:
     bucket order, so that bucket k is still the k-th message of its tag. Why: on a slow
     link the gradients' way up took as long as the sums' way down (about 50 ms each for
     LeNet's 248 KB at 100 Mbit/s on the testbed), and the biggest layers are the last.
-    The root, armed too, looks at each of its own hooks whether the next buckets are in
-    from every leaf and from itself, and if so adds them and sends their sums down at
-    once: the sums of the last layers then cross the slow links while every rank still
-    computes the first layers' gradients, where before they all waited for the end of
-    the root's backward.
 
     ``exchange`` picks the route of the sums:
 
@@ -119,17 +114,11 @@ class WeightedAllreduce:
         self._needs = [sum(k in touched for touched in self._touches) for k in range(len(self.buckets))]
         # A leaf of the star: the rank that sends its buckets up during backward (Overlap).
         self._leaf = exchange == "host" and comm.Get_size() > 1 and comm.Get_rank() != root
-        self._hub = exchange == "host" and comm.Get_size() > 1 and comm.Get_rank() == root
         self._armed: float | None = None  # the weight of the backward in flight, if armed
         self._copied: list[bool] = []
         self._missing: list[int] = []
-        self._next = 0  # the first bucket not yet sent up (the root: not yet summed)
+        self._next = 0  # the first bucket not yet sent up
         self._early: list[MPI.Request] = []
-        # The root's receives of bucket _next from the others, once posted, and the comm
-        # they were posted on (a shrink replaces it: they are dropped); its sends down.
-        self._ups: list[MPI.Request] | None = None
-        self._ups_comm: Any = None
-        self._downs: list[MPI.Request] = []
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i))
         self.bytes_sent = 0
@@ -173,11 +162,6 @@ class WeightedAllreduce:
             while self._next < len(self.buckets) and self._missing[self._next] == 0:
                 self._early += self._send_up(self._next)
                 self._next += 1
-        elif self._hub:
-            try:
-                self._sum_down(block=False)
-            except MPI.Exception:
-                pass  # a dead peer: reduce's wait raises it, outside backward
 
     def _send_up(self, k: int) -> list[MPI.Request]:
         """A leaf's bucket ``k``: its gradients up to the root, and the receive of its sums."""
@@ -191,7 +175,6 @@ class WeightedAllreduce:
         self._armed = None
         self._next = 0
         self._early = []
-        self._downs = []
 
     def reduce(self, weight: float, alongside: Sequence[MPI.Request] = ()) -> float:
         """Average gradients across ranks weighted by ``weight`` and return the total weight.
@@ -223,8 +206,7 @@ class WeightedAllreduce:
                 flat[off:off + n].zero_()
             else:
                 torch.mul(p.grad.reshape(-1), float(weight), out=flat[off:off + n])
-        if self._armed is None:  # (armed: arm set it, and its bucket may be gone or summed)
-            flat[-1] = float(weight)
+        flat[-1] = float(weight)
         if self.exchange == "host" and self.comm.Get_size() > 1:
             try:
                 self._through_root(alongside)
@@ -254,57 +236,33 @@ class WeightedAllreduce:
     def _through_root(self, alongside: Sequence[MPI.Request]) -> None:
         """The star: buckets up to the root, summed there, and the sums back down.
 
-        The root takes the buckets one at a time (:meth:`_sum_down`), the others post
-        everything at once. Sums go back in the send buffer's own bucket on the root, and
-        into a buffer of their own elsewhere (a send's buffer may not be written while
-        the send is pending). An armed root has sent down the sums of the buckets that
-        were in during its backward already.
+        The root takes the buckets one at a time (its receive buffers hold one bucket
+        per other rank), the others post everything at once. Sums go back in the send
+        buffer's own bucket on the root, and into a buffer of their own elsewhere (a
+        send's buffer may not be written while the send is pending).
         """
-        if self.comm.Get_rank() != self.root:
+        comm, root = self.comm, self.root
+        others = [r for r in range(comm.Get_size()) if r != root]
+        if comm.Get_rank() != root:
             requests = [*alongside, *self._early]  # the buckets sent during backward, if armed
             for k in range(self._next, len(self.buckets)):  # (0 unless armed)
                 requests += self._send_up(k)
             self._wait(requests)
             self._buf[:] = self._down_buffer()
             return
-        self._sum_down(block=True)
-        self._wait([*alongside, *self._downs])
-
-    def _sum_down(self, block: bool) -> None:
-        """The root: add up the buckets from bucket ``_next`` on, in order, and send each
-        sum down at once. ``block``: wait for every bucket (reduce); otherwise stop at
-        the first whose parts are not all in yet, from this rank or another (a hook).
-
-        One bucket's receives are posted at a time, into one buffer of a bucket per
-        other rank: a bucket that comes early waits in MPI's queue of unexpected
-        messages, so the root holds no more than before, whatever the model's size.
-        """
-        comm = self.comm
-        others = [r for r in range(comm.Get_size()) if r != self.root]
-        parts = self._root_buffer(len(others), max(stop - start for start, stop in self.buckets))
-        if self._ups is not None and self._ups_comm is not comm:
-            self._ups = None  # posted on the communicator a shrink replaced
-        while self._next < len(self.buckets):
-            k = self._next
-            if not block and self._missing[k]:
-                return  # this rank's own gradients of bucket k are not all in yet
-            start, stop = self.buckets[k]
+        width = max(stop - start for start, stop in self.buckets)
+        parts = self._root_buffer(len(others), width)
+        sends: list[MPI.Request] = []
+        for start, stop in self.buckets:
             n = stop - start
-            if self._ups is None:
-                self._ups = [comm.Irecv([parts[i, :n], MPI.FLOAT], source=r, tag=UP_TAG)
-                             for i, r in enumerate(others)]
-                self._ups_comm = comm
-            if block:
-                self._wait(self._ups)
-            elif not MPI.Request.Testall(self._ups):
-                return
-            self._ups = None
+            self._wait([comm.Irecv([parts[i, :n], MPI.FLOAT], source=r, tag=UP_TAG)
+                        for i, r in enumerate(others)])
             view = self._buf[start:stop]
             view += parts[:, :n].sum(axis=0)
-            self._downs += [comm.Isend([view, MPI.FLOAT], dest=r, tag=DOWN_TAG) for r in others]
+            sends += [comm.Isend([view, MPI.FLOAT], dest=r, tag=DOWN_TAG) for r in others]
             self.bytes_sent += n * 4 * len(others)
             self.calls += 1
-            self._next += 1
+        self._wait([*alongside, *sends])
 
     def _down_buffer(self) -> Any:
         if self._down is None:
