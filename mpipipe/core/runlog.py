@@ -93,10 +93,10 @@ class _Tables:
     rows to them.
 
     Why not h5py's high-level calls: they look each dataset up by name, and an indexed
-    write builds a selection and checks types. That cost about 0.25 ms per column, so a
-    ResPipe step row (23 columns over the step and three ranks) took 5.7 ms of the
+    write builds a selection and checks types. That cost about 0.23 ms per column, so a
+    ResPipe step row (23 columns over the step and three ranks) took 5.3 ms of the
     writer's CPU, more than its stage's compute. With the handles kept, one extent
-    change and one low-level write per column, a row costs about 0.5 ms, and it still
+    change and one low-level write per column, a row costs about 0.7 ms, and it still
     goes to the file at once (a killed writer loses nothing it was given)."""
 
     def __init__(self, file: h5py.File) -> None:
