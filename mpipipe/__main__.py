@@ -1,4 +1,4 @@
-"""`python -m mpipipe COMMAND`: the one entry point of the pipeline system (train, cost, report, defaults)."""
+"""`python -m mpipipe COMMAND`: the one entry point of the pipeline system (train, cost, report, chaos, defaults)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from mpipipe import cost, package_version, report, train
+from mpipipe import chaos, cost, package_version, report, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     cost.add_parser(sub)
     report.add_parser(sub)
+    chaos.add_parser(sub)
     defaults = sub.add_parser("defaults", help="print the default configuration as TOML")
     defaults.set_defaults(func=_print_defaults)
     return parser

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +72,14 @@ def test_tuned_batches_reach_95_percent_like_equal_batches(tuned_and_equal) -> N
     assert min(acc_tuned.values()) >= 0.95, acc_tuned
     mean_tuned = float(np.mean(list(acc_tuned.values())))
     mean_equal = float(np.mean(list(acc_equal.values())))
-    assert abs(mean_tuned - mean_equal) <= 0.01, (acc_tuned, acc_equal)
+    # One side only: tuned batches must not cost accuracy; doing better is no failure.
+    # Each accuracy is a proportion over the test images, so the difference of two means
+    # of len(SEEDS) runs has a standard error of sqrt(2 p (1 - p) / (n * len(SEEDS)));
+    # three of them bound what chance alone can take away.
+    n_test = 359  # the digits' held-out split (one image is 0.28 points)
+    p = max(mean_equal, mean_tuned)
+    margin = 3 * math.sqrt(2 * p * (1 - p) / (n_test * len(SEEDS)))
+    assert mean_tuned >= mean_equal - margin, (acc_tuned, acc_equal, margin)
     for seed in SEEDS:
         tuned, equal = tuned_runs[seed], equal_runs[seed]
         # Same number of steps and samples: the same number of epochs.

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from mpipipe.core.roles import LaunchPlan
 
 __all__ = ["Fault", "FaultError", "FaultKind", "FaultPlan", "FAULT_KINDS", "parse", "parse_all",
-           "check_reachable", "check_nodes", "firing_rank", "kill_node", "set_link", "KINDS", "NODE_KINDS"]
+           "check_reachable", "check_nodes", "target_rank", "firing_rank", "kill_node", "set_link", "KINDS", "NODE_KINDS"]
 
 @dataclass(frozen=True)
 class FaultKind:
@@ -206,7 +206,7 @@ def parse_all(specs: Iterable[str]) -> list[Fault]:
     return [parse(s) for s in specs]
 
 
-def _target_rank(f: Fault, plan: LaunchPlan) -> int | None:
+def target_rank(f: Fault, plan: LaunchPlan) -> int | None:
     """The world rank a fault hits at launch (None: a stage the plan does not have, or a node)."""
     if f.node is not None:
         return None
@@ -270,9 +270,9 @@ def check_reachable(faults: Sequence[Fault], plan: LaunchPlan, *, steps: int | N
     for i, kill in enumerate(faults):
         if kill.kind != "kill":
             continue
-        dead = _target_rank(kill, plan)
+        dead = target_rank(kill, plan)
         for j, f in enumerate(faults):
-            if j == i or _target_rank(f, plan) != dead:
+            if j == i or target_rank(f, plan) != dead:
                 continue
             at = (f.step, f.micro if f.kind in ("kill", "stall") else -1)
             if at > (kill.step, kill.micro) or (at == (kill.step, kill.micro) and j > i):

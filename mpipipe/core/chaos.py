@@ -1,0 +1,281 @@
+"""A random fault campaign on the user's own job: draw scenarios, run each under a time
+limit with real mpirun and ULFM, and hold its end against what the docs promise.
+
+Why a command and not only tests: a user trusts a fault-tolerant trainer only once it
+survived faults nobody planned, on their own model and configuration. Each system
+supplies how to draw a scenario and how to judge its end (``mpipipe.chaos`` for
+ResPipe, ``stannis.chaos`` for Stannis); this module runs the campaign: seeds, time
+limits, cleanup, the table and the JSON lines.
+
+Every scenario is drawn from its own seed (the campaign's seed and its index), so
+``--only i`` reruns scenario i alone, exactly. Every process a run starts lives in a
+session of its own and is killed by session id when the run ends or times out
+(:func:`mpipipe.core.launch.kill_job`), never by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpipipe.core.launch import kill_job, start_mpi
+
+__all__ = ["Scenario", "Job", "Verdict", "GOOD", "BAD", "add_chaos_arguments", "parse_budget",
+           "run_job", "campaign", "read_log"]
+
+# What a run may end as. The good verdicts are those the docs promise; the bad ones are
+# defects: HANG (the outer time limit, or the progress watchdog, ended it), CRASH (a
+# traceback, an unexpected exit status, a log left open), WRONG (a wrong result: a
+# missing, doubled or NaN row, parameters off the reference), UNEXPECTED (a clean end
+# the docs do not allow for this fault list).
+GOOD = ("exact", "bound", "completed", "refused", "lost-stage", "host-lost")
+BAD = ("HANG", "CRASH", "WRONG", "UNEXPECTED")
+
+STACKS_WAIT_S = 5.0
+
+
+@dataclass
+class Scenario:
+    """One drawn run: the overrides and faults added to the user's command."""
+
+    index: int
+    world: int
+    sets: list[str]
+    faults: list[str]
+    knobs: dict[str, Any] = field(default_factory=dict)  # what was drawn, for the table
+    facts: dict[str, Any] = field(default_factory=dict)  # what the judge needs to know
+
+    def describe(self) -> str:
+        knobs = " ".join(f"{k}={v}" for k, v in self.knobs.items())
+        return f"{knobs} | {' '.join(self.faults) or 'no fault'}"
+
+
+@dataclass
+class Job:
+    """How one mpirun ended."""
+
+    rc: int | None  # None: killed at the time limit
+    wall_s: float
+    stdout: str
+    stderr: str
+    log: Path
+
+    @property
+    def timed_out(self) -> bool:
+        return self.rc is None
+
+    def error_lines(self) -> list[str]:
+        """The lines a clean end prints on stderr (``prog: error: ...``)."""
+        return [ln for ln in self.stderr.splitlines() if ": error: " in ln]
+
+    def traceback(self) -> str | None:
+        """The first line of a Python traceback on stderr, if any rank printed one."""
+        for ln in self.stderr.splitlines():
+            if ln.startswith("Traceback (most recent call last)"):
+                tail = self.stderr[self.stderr.index(ln):].splitlines()
+                last = next((t for t in tail[1:] if t and not t.startswith(" ")), "")
+                return last[:300] or "Traceback"
+        return None
+
+
+@dataclass
+class Verdict:
+    name: str  # one of GOOD or BAD
+    why: str = ""
+
+    @property
+    def bad(self) -> bool:
+        return self.name in BAD
+
+
+def parse_budget(text: str | None) -> float | None:
+    """``"20m"``, ``"90s"``, ``"1h"`` or plain seconds -> seconds (None: no budget).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else, named.
+    """
+    if text in (None, ""):
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"--budget {text!r}: give a time such as 20m, 90s or 1h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def add_chaos_arguments(parser: argparse.ArgumentParser, *, runs: int) -> None:
+    """The options both systems' chaos commands share."""
+    parser.add_argument("--config", metavar="FILE", required=True,
+                        help="the job to test: the TOML configuration you train with")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="override a key of every run, as with train (repeatable)")
+    parser.add_argument("--runs", type=int, default=runs, metavar="N",
+                        help=f"scenarios to draw (default {runs})")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="the campaign's seed; scenario i is drawn from (S, i) alone")
+    parser.add_argument("--only", type=int, metavar="I",
+                        help="rerun scenario I of this seed alone (the JSON lines give it)")
+    parser.add_argument("--budget", type=parse_budget, metavar="TIME",
+                        help="start no new scenario after this much time, e.g. 20m")
+    parser.add_argument("--steps", type=int, default=0, metavar="N",
+                        help="steps per run (default: drawn, short)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="keep every run's log and output here (default: a temporary "
+                             "folder, removed unless a run went wrong)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON line per scenario instead of the table")
+    parser.add_argument("--timeout-factor", type=float, default=4.0, metavar="F",
+                        help="a run is HANG after F x its failure-free time + stalls + 60 s "
+                             "(default 4)")
+
+
+def run_job(world: int, argv: Sequence[str], *, log: Path, timeout: float,
+            ulfm: bool = True) -> Job:
+    """Run ``python ARGV`` on ``world`` ranks; on the time limit, ask every rank for its
+    stack (SIGUSR2), then kill the job's whole session."""
+    out_path, err_path = log.with_suffix(".out"), log.with_suffix(".err")
+    start = time.monotonic()
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        job = start_mpi(world, list(argv), ulfm=ulfm, stdout=out, stderr=err,
+                        env={"MPIPIPE_PROGRESS": "lines"})
+        rc: int | None
+        try:
+            rc = job.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            try:
+                job.send_signal(signal.SIGUSR2)
+                time.sleep(STACKS_WAIT_S)
+            except OSError:
+                pass
+        except BaseException:
+            kill_job(job)
+            raise
+        kill_job(job)  # also any rank left behind by an mpirun that has exited
+    return Job(rc, time.monotonic() - start, out_path.read_text(errors="replace"),
+               err_path.read_text(errors="replace"), log)
+
+
+def read_log(path: Path) -> tuple[Any | None, str]:
+    """The run's log, or None and why it cannot be read."""
+    from mpipipe.core.runlog import LogError, open_log
+
+    try:
+        return open_log(path), ""
+    except LogError as e:
+        return None, str(e)
+
+
+def _rerun(prog: str, argv: Sequence[str], seed: int, index: int) -> str:
+    """The command line that reruns one scenario alone."""
+    keep: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--only", "--runs", "--seed", "--budget"):
+            skip = True
+            continue
+        if a.startswith(("--only=", "--runs=", "--seed=", "--budget=")) or a == "--json":
+            continue
+        keep.append(a)
+    return shlex.join([*prog.split(), *keep, "--seed", str(seed), "--only", str(index)])
+
+
+def campaign(args: argparse.Namespace, *, prog: str, argv: Sequence[str],
+             draw: Callable[[random.Random, int], Scenario],
+             execute: Callable[[Scenario, Path], tuple[Job, Verdict]]) -> int:
+    """Draw and run the scenarios; print the table (or JSON lines); exit status 0 when no
+    run ended HANG, CRASH, WRONG or UNEXPECTED, else 1.
+
+    ``draw(rng, index)`` returns scenario ``index`` from its own generator;
+    ``execute(scenario, folder)`` runs it and judges its end.
+    """
+    if args.runs < 1:
+        print(f"{prog}: error: --runs must be at least 1", file=sys.stderr)
+        return 2
+    if args.only is not None and not 0 <= args.only:
+        print(f"{prog}: error: --only must be a scenario index (0 or more)", file=sys.stderr)
+        return 2
+    keep = args.out is not None
+    folder = Path(args.out) if keep else Path(tempfile.mkdtemp(prefix="mpipipe-chaos-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    jsonl = folder / "chaos.jsonl"
+    indices = [args.only] if args.only is not None else list(range(args.runs))
+    tally: dict[str, int] = {}
+    t0 = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    if not args.json:
+        print(f"{prog}: {len(indices)} scenario(s), seed {args.seed}; logs in {folder}",
+              flush=True)
+        print(f"{'#':>3}  {'verdict':<10} {'wall s':>7}  scenario", flush=True)
+    with open(jsonl, "a") as lines:
+        for i in indices:
+            if args.budget is not None and time.monotonic() - t0 > args.budget:
+                print(f"{prog}: budget of {args.budget:.0f} s spent after {len(rows)} "
+                      f"scenario(s); the rest not run", file=sys.stderr, flush=True)
+                break
+            scenario = draw(random.Random(f"{args.seed}:{i}"), i)
+            job, verdict = execute(scenario, folder)
+            tally[verdict.name] = tally.get(verdict.name, 0) + 1
+            row = {"index": i, "seed": args.seed, "verdict": verdict.name, "why": verdict.why,
+                   "wall_s": round(job.wall_s, 2), "rc": job.rc, "world": scenario.world,
+                   "knobs": scenario.knobs, "faults": scenario.faults, "sets": scenario.sets,
+                   "log": str(job.log), "rerun": _rerun(prog, argv, args.seed, i)}
+            rows.append(row)
+            lines.write(json.dumps(row) + "\n")
+            lines.flush()
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(f"{i:>3}  {verdict.name:<10} {job.wall_s:>7.1f}  {scenario.describe()}"
+                      + (f"\n{'':>23}{verdict.why}" if verdict.why and verdict.bad else ""),
+                      flush=True)
+    bad = sum(n for v, n in tally.items() if v in BAD)
+    if not args.json:
+        walls = sorted(r["wall_s"] for r in rows)
+        median = walls[len(walls) // 2] if walls else 0.0
+        print("tally: " + ", ".join(f"{v} {tally.get(v, 0)}" for v in (*GOOD, *BAD)
+                                    if tally.get(v, 0) or v in BAD)
+              + f"; {len(rows)} run(s) in {time.monotonic() - t0:.0f} s, median "
+                f"{median:.1f} s a run", flush=True)
+        print(f"JSON lines: {jsonl}", flush=True)
+        for r in rows:
+            if r["verdict"] in BAD:
+                print(f"rerun #{r['index']}: {r['rerun']}", flush=True)
+    if not keep and not bad:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 1 if bad else 0
+
+
+def python_argv(command: str, *, config: str, sets: Sequence[str], faults: Sequence[str],
+                log: Path, extra: Sequence[str] = ()) -> list[str]:
+    """``-m <command> train --config C --set ... --inject ... --log L``: a run's argv."""
+    argv = ["-m", command, "train", "--quiet", "--config", config, "--log", str(log), "--overwrite"]
+    for s in sets:
+        argv += ["--set", s]
+    for f in faults:
+        argv += ["--inject", f]
+    return [*argv, *extra]
+
+
+def config_path(path: str) -> str:
+    """The configuration as an absolute path (runs start in the project root)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    return str(p.resolve())
+
