@@ -215,19 +215,20 @@ def test_a_survivor_takes_the_log_over_where_the_dead_writer_left_it(tmp_path):
 
 
 _HOLD = """
-import sys, time, h5py
+import sys, h5py
 f = h5py.File(sys.argv[1], "a")
 print("holding", flush=True)
-time.sleep(float(sys.argv[2]))
+sys.stdin.readline()  # until the test lets go (closes our stdin), or is gone
 """
 
 
-def _hold(path, seconds: float):
-    """Another process that keeps the log open (a replaced writer, still alive)."""
+def _hold(path):
+    """Another process that keeps the log open (a replaced writer, still alive) until
+    its stdin is closed: the hand-off follows the test's order, not a sleep's length."""
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path), str(seconds)],
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "holding"
     return proc
@@ -240,27 +241,39 @@ def test_a_new_writer_waits_for_a_replaced_one_and_keeps_each_records_time(tmp_p
     writer = RunLog(path, system="mpipipe", config={}, comm_size=2)
     writer.step(1, loss=1.0, samples=4, samples_per_s=1.0)
     writer.release()
-    holder = _hold(path, 1.5)
-    survivor = RunLog.null(path, writer.start)
-    survivor.take_over()  # the file is locked: records wait
-    made_at = survivor.elapsed()
-    survivor.event("takeover", step=1, rank=1)
-    survivor.step(2, loss=2.0, samples=4, samples_per_s=1.0)
-    survivor.close("completed", wait_s=20)  # waits for the holder to exit
-    holder.wait()
-    run = open_log(path)
-    assert list(run.steps["step"]) == [1, 2] and run.attrs["status"] == "completed"
-    assert abs(run.events_of("takeover")[0]["time"] - made_at) < 0.5  # not when written
-    assert run.steps["time"][1] < made_at + 0.5
+    holder = _hold(path)
+    try:
+        survivor = RunLog.null(path, writer.start)
+        survivor.take_over()  # the file is locked: records wait
+        made_from = survivor.elapsed()
+        survivor.event("takeover", step=1, rank=1)
+        survivor.step(2, loss=2.0, samples=4, samples_per_s=1.0)
+        made_to = survivor.elapsed()
+        assert survivor._file is None  # still held: both records wait in memory
+        holder.stdin.close()  # let go only now, so both are written after made_to
+        survivor.close("completed", wait_s=20)  # waits for the holder to exit
+        holder.wait(20)
+        run = open_log(path)
+        assert list(run.steps["step"]) == [1, 2] and run.attrs["status"] == "completed"
+        # Each record's time is when it was made (between the two readings of the log's
+        # clock, in order), not when it was written (later than made_to). The same clock
+        # and float64 column on both sides: exact bounds, whatever the machine's load.
+        made = run.events_of("takeover")[0]["time"]
+        assert made_from <= made <= run.steps["time"][1] <= made_to, (made_from, made, made_to)
+    finally:
+        holder.kill()
+        holder.wait()
     # a writer that stays locked out says so, and its records go to a side file
-    holder = _hold(path, 30)
-    late = RunLog.null(path, writer.start)
-    late.take_over()
-    late.event("checkpoint", step=0)
-    with pytest.raises(LogError, match=r"still held .* 1 waiting records are in .*run\.tail\.h5"):
-        late.close("completed", wait_s=0.5)
-    holder.kill()
-    holder.wait()
+    holder = _hold(path)
+    try:
+        late = RunLog.null(path, writer.start)
+        late.take_over()
+        late.event("checkpoint", step=0)
+        with pytest.raises(LogError, match=r"still held .* 1 waiting records are in .*run\.tail\.h5"):
+            late.close("completed", wait_s=0.5)
+    finally:
+        holder.kill()
+        holder.wait()
     assert open_log(path).attrs["status"] == "completed"  # untouched
     tail = open_log(tmp_path / "run.tail.h5")
     assert tail.attrs["status"] == "completed" and tail.attrs["continues"] == str(path)

@@ -328,12 +328,20 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         opt.step()
         self.done = s + 1
         self._after_step = True
-        self._replicate()
+        # The step is applied: its figures leave even when its replica cannot (a holder
+        # died or is late), or a round that keeps the step would find its row incomplete.
+        failed: Late | PeerFailed | None = None
+        try:
+            self._replicate()
+        except (Late, PeerFailed) as e:
+            failed = e
         self.step_times.append(time.perf_counter() - t0 - slept)
         if _DEBUG and self.gen and s <= self._gen_step + 1:
             self._say(f"step {s}: {time.perf_counter() - t0:.3f} s (compute "
                       f"{pipe.last_compute_s:.3f}, wait {pipe.last_wait_s:.3f})")
         self._report(s, self._step_figs(s, loss))
+        if failed is not None:
+            raise failed
         if self._eval_point(self.done) or self.done == self.total:
             self._evaluate()
         every = int(self.cfg["run"].get("checkpoint_every", 0))
