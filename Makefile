@@ -16,7 +16,7 @@ export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install test test-python test-mpi test-c test-slurm test-cluster demo bench lint clean
+.PHONY: install test test-python test-mpi test-c test-stress test-slurm test-cluster chaos-quick demo bench lint clean
 
 install: $(STAMP)
 
@@ -39,6 +39,18 @@ test-c:
 	cmake -S . -B build/ctest -DCMAKE_BUILD_TYPE=Debug >/dev/null
 	cmake --build build/ctest -j2 >/dev/null
 	ctest --test-dir build/ctest --output-on-failure
+
+# make test three times with two busy loops beside it (a flaky test shows here first).
+test-stress: $(STAMP)
+	bash tests/stress.sh
+
+# A small random fault campaign (docs/respipe.md, "Chaos"): 12 scenarios at a fixed seed,
+# ResPipe on 3 and 4 stages, every mode; then Stannis. Fails on any hang, crash, wrong
+# result or verdict the docs do not allow.
+chaos-quick: $(STAMP)
+	test -d data/digits || $(PY) -m native.convert digits data/digits
+	$(PY) -m mpipipe chaos --config jobs/configs/respipe-digits.toml --set 'data.path="data/digits"' \
+		--stages 3,4 --runs 12 --seed 1
 
 test-slurm: $(STAMP)
 	bash tests/slurm/run.sh

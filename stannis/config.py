@@ -37,6 +37,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "eval_every": 50,  # host evaluates on the public test split every N steps (0: end only)
         "log_every": 10,  # plain progress line every N steps when not on a terminal
         "threads": 1,  # torch compute threads of the host (CSDs: csd.threads)
+        "watchdog_s": 0.0,  # no progress for this long ends the job, stacks dumped (0: max(60 s, 20 steps))
     },
     "data": {
         "path": "data/stannis-digits",  # holds public/{train,test} and csd<k>/ (stannis prepare)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpipipe.core import ft, stop
+from mpipipe.core import ft, stop, watchdog
 from mpipipe.core.cli import Run, start_run
 from mpipipe.core.data import DataFault, label_range_ok, test_batches
 from mpipipe.core.faults import FaultPlan, parse_all
@@ -87,6 +87,8 @@ class Trainer:
         self.is_host = self.role.kind == "host"
         self.comm = AuditedComm(run.comm)
         self.log = BackgroundLog(run.log)
+        # The watchdog closes the log through the writer thread, rows queued before first.
+        watchdog.use_log(lambda: run.log.active, self._close_stuck)
         self.members = list(range(run.size))  # world ranks of the current communicator
         self.world_group = run.comm.Get_group()
         seed = cfg["run"]["seed"]
@@ -622,11 +624,19 @@ class Trainer:
         sent, recv = self.comm.take()  # this step's gradients and figures, and any plan
         self._post = (self.reducer.wait_s, joules, sent, recv, *self.comm.last_mpi)
         self.step = index + 1
+        watchdog.beat(index)
         if self.is_host:
             self._record(table, time.perf_counter() - t_start)
             self._maybe_retune()
         if s["tune"] and self.step % s["retune_every"] == 0:
             self._share_plan()
+
+    def _close_stuck(self, status: str) -> None:
+        """The watchdog's end of a stuck run: the queued rows, then the status."""
+        try:
+            self.log.drain()
+        finally:
+            self.run.log.close(status)
 
     def _record(self, table: np.ndarray, wall: float) -> None:
         """Host: account one step from the exchanged table, and log the step before it.

@@ -9,8 +9,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from mpipipe.core.launch import ROOT, mpirun_env
+
+# Property tests: no per-example deadline and no too_slow health check (Hypothesis's
+# defaults, 200 ms an example and about 1 s for the first draws, are timings: on a loaded
+# machine one descheduled example fails the test as "Unreliable test timings"), and the
+# same examples on every run (seeded from each test), so that a run's verdict does not
+# depend on its luck. Tests that set these themselves keep their own values.
+settings.register_profile("mpipipe", deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("mpipipe")
 
 
 @pytest.fixture(scope="session")

@@ -33,9 +33,10 @@ def test_each_job_keeps_its_session_files_in_a_directory_of_its_own() -> None:
 @pytest.mark.timeout(120)
 def test_a_killed_jobs_directory_goes_with_it() -> None:
     job = start_mpi(1, ["-c", WHERE + "; import time; time.sleep(600)"], stdout=subprocess.PIPE, text=True)
-    line = job.stdout.readline()
-    where = _tmpdir(line)
-    assert where.is_dir()
-    kill_job(job)
+    try:
+        where = _tmpdir(job.stdout.readline())
+        assert where.is_dir()
+    finally:  # also when the test fails or times out: no 600 s sleeper is left behind
+        kill_job(job)
     assert not where.exists()
     assert os.environ.get("TMPDIR") != str(where)  # the caller's own environment is untouched

@@ -406,8 +406,11 @@ def test_an_interrupted_conversion_leaves_an_existing_out_byte_identical(existin
     import time
 
     before = tree_hashes(existing)
-    # thousands of tiny shards: the conversion takes seconds, so it is caught mid-write
-    argv = ["synthetic", "--shape", "1,4,4", "--count", "100000", "--shard-records", "20", "--overwrite",
+    # Tens of thousands of tiny shards, and the signal as the 11th is written: it must land
+    # before the last (the rename that replaces OUT). 5000 shards left about 2 s of writing
+    # after the 11th on a quiet 2-core machine, a race a starved test process could lose;
+    # 20000 leave four times that. Interrupted as it should be, the run costs no more.
+    argv = ["synthetic", "--shape", "1,4,4", "--count", "400000", "--shard-records", "20", "--overwrite",
             str(existing)]
     proc = subprocess.Popen([sys.executable, "-m", "native.convert", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

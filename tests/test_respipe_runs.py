@@ -321,9 +321,14 @@ def test_the_log_moves_to_a_survivor_when_its_writer_is_killed_or_replaced(runs,
     assert [(e["rank"], e["detail"]["previous"]) for e in moved] == [(1, 0)]
     takeover = run.events_of("takeover")[0]
     assert (takeover["rank"], takeover["detail"]["stage"]) == (3, 0)
-    # the fault's time reached the new writer: detection is measured from it
-    assert 0 < takeover["detail"]["detected_after_s"] < 10
     assert [e["kind"] for e in run.events].count("fault_injected") == 1
+    # The fault's time reached the new writer: detection is measured from it, so it lies
+    # between the fault and the takeover the new writer logged after detecting it (both
+    # on the log's one time axis). No bound in seconds: load stretches detection, but not
+    # past the takeover. (1 ms: room for the rounding of Unix times, nothing more.)
+    fault = run.events_of("fault_injected")[0]
+    assert 0 < takeover["detail"]["detected_after_s"] <= takeover["time"] - fault["time"] + 1e-3, \
+        (takeover, fault)
     assert list(run.steps["step"]) == list(range(1, STEPS + 1))
     assert run.steps["samples"].sum() == STEPS * BATCH
     assert "summary" in run.attrs

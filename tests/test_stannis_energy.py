@@ -168,11 +168,17 @@ def test_csds_sharing_a_core_take_turns_and_leave_no_file(tmp_path: Path) -> Non
     barrier = ctx.Barrier(3)
     procs = [ctx.Process(target=_take_turns, args=(path, str(log), i, barrier))
              for i in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:  # none left running (a non-daemon child would keep pytest from exiting)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     lines = log.read_text().split()
     events = [" ".join(lines[i:i + 2]) for i in range(0, len(lines), 2)]
     assert len(events) == 30

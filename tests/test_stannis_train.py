@@ -171,9 +171,14 @@ def test_a_send_past_the_audited_communicator_is_caught_by_mpis_own_count(
 def test_slow_csds_trigger_retune_and_killed_csd_is_dropped(data: Path, assert_csd_dropped,
                                                             tmp_path: Path) -> None:
     log = tmp_path / "faults.h5"
-    # Every CSD slowed 4x from step 10 (a CSD that already has the minimum batch
+    # Every CSD slowed 8x from step 10 (a CSD that already has the minimum batch
     # cannot shed work, so one slowed CSD alone would not always show a re-tune).
-    slow = tuple(f"slow:rank={r}:step=10:factor=4" for r in range(1, 5))
+    # Why 8: the host's step time is wall time, which a loaded machine stretches by its
+    # load L, while an emulated CSD's is its CPU time times its slowdown (2 here, 2f once
+    # slowed by f). The slowdown shows as an imbalance over the 0.25 threshold only while
+    # L < 2f x 0.75: f = 4 gave up at L = 6, about what a second MPI job on two cores
+    # makes; f = 8 holds to L = 12.
+    slow = tuple(f"slow:rank={r}:step=10:factor=8" for r in range(1, 5))
     proc = _train(data, log, "run.steps=45", inject=slow + ("kill:rank=3:step=30",), ulfm=True)
     _ok(proc)
     run = open_log(log)

@@ -196,6 +196,10 @@ def start_run(
         section, key = inject_key
         if args.inject:
             cfg[section][key] = list(cfg[section][key]) + list(args.inject)
+        if float(cfg["run"].get("watchdog_s", 0.0)) < 0:
+            raise ConfigError(f"run.watchdog_s = {cfg['run']['watchdog_s']}: give 0 (at least "
+                              "60 s or 20 median steps) or the seconds without progress that "
+                              "end a stuck job")
         plan = build_plan(cfg, size)
         total = total_steps(cfg)
         check_faults(cfg, plan, list(cfg[section][key]), total)
@@ -246,8 +250,15 @@ def start_run(
         fail_fast(comm, error, prog, rank)
     if rank != writer:
         log = RunLog.null(where, start, system=system)
-    from mpipipe.core import stop
+    from mpipipe.core import stop, watchdog
 
+    # A rank that makes no progress for run.watchdog_s ends the job, saying where
+    # (mpipipe.core.watchdog); its stack goes beside the log.
+    watchdog.install(watchdog.Watchdog(
+        rank=rank, seconds=float(cfg["run"].get("watchdog_s", 0.0)),
+        stacks=Path(f"{where}.stacks") if where else Path(f"stacks-{os.getpid()}"),
+        prog=prog, holds_log=lambda: log.active, close_log=lambda status: log.close(status),
+        abort=comm.Abort))
     stop.install(hosts)  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.core.stop)
     if total > 0:
         log.expect_steps(1, total)

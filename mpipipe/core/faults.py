@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from mpipipe.core.roles import LaunchPlan
 
 __all__ = ["Fault", "FaultError", "FaultKind", "FaultPlan", "FAULT_KINDS", "parse", "parse_all",
-           "check_reachable", "check_nodes", "target_rank", "firing_rank", "kill_node", "set_link", "KINDS", "NODE_KINDS"]
+           "check_reachable", "check_nodes", "target_rank", "firing_rank", "kill_node", "set_link", "KINDS",
+           "NODE_KINDS"]
 
 @dataclass(frozen=True)
 class FaultKind:

@@ -94,6 +94,28 @@ def shrink(comm: Any) -> Any:
     return new
 
 
+def from_group(world: Any, ranks: list[int], tag: str) -> Any:
+    """A new communicator of exactly ``ranks`` (ranks of ``world``), made by them alone.
+
+    Why not ``Create_group`` on the old communicator, or ``Shrink``: ``Shrink`` waits
+    for every live rank, a stalled one included, and a parent with a dead member may
+    refuse ``Create_group``; MPI-4's ``Create_from_group`` needs no parent, so a dead
+    rank and a stalled one left out at once are both simply not asked. ``tag`` must be
+    unique to this set of ranks and this round. The result returns errors, like every
+    communicator here.
+    """
+    from mpi4py import MPI
+
+    parent = world.Get_group()
+    group = parent.Incl(list(ranks))
+    parent.Free()
+    try:
+        return MPI.Intracomm.Create_from_group(group, stringtag=tag,
+                                               errhandler=MPI.ERRORS_RETURN)
+    finally:
+        group.Free()
+
+
 def agree(comm: Any, flag: int = 1) -> tuple[int, bool]:
     """Fault-tolerant agreement: the bitwise AND of ``flag`` over survivors, and whether all agreed.
 

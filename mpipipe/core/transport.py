@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpipipe.core import watchdog
+
 # Message kinds (3 bits of the tag). EVAL carries forward-only evaluation traffic so that
 # it can never be matched by a training receive of the same step number.
 ACT, GRAD, LABEL, REPLICA, SHADOW, CTRL, EVAL = range(7)
@@ -221,9 +223,11 @@ class Transport:
                 if deadline is not None and waited > deadline:
                     dest = self._pending[0][2]
                     raise Late(dest, waited)
+                watchdog.waiting((self._pending[0][2], "", 0, 0))
                 due = _hook(waited, due)
                 pause(waited)
         finally:
+            watchdog.waiting("")
             self.wait_s += time.perf_counter() - start
 
     def pending(self) -> int:
@@ -291,6 +295,7 @@ class Transport:
         start = time.perf_counter()
         message = None
         due = HOOK_EVERY_S
+        watchdog.waiting((source, KIND_NAMES.get(kind, str(kind)), step, micro))
         try:
             while True:
                 message = self.comm.Improbe(source, tag, status)
@@ -305,6 +310,7 @@ class Transport:
         except MPI.Exception as exc:
             raise self._failure(exc, source) from exc
         finally:
+            watchdog.waiting("")
             self.wait_s += time.perf_counter() - start
         row_elems = math.prod(row_shape)
         item = torch.empty((), dtype=dtype).element_size()
@@ -325,9 +331,11 @@ class Transport:
               kind: int, step: int, micro: int, deadline: float | None) -> None:
         start = time.perf_counter()
         due = HOOK_EVERY_S
+        watchdog.waiting((source, KIND_NAMES.get(kind, str(kind)), step, micro))
         try:
             while True:
                 if request.Test(status):
+                    watchdog.beat()
                     return
                 waited = time.perf_counter() - start
                 if deadline is not None and waited > deadline:
@@ -343,6 +351,7 @@ class Transport:
         except MPI.Exception as exc:
             raise self._failure(exc, source) from exc
         finally:
+            watchdog.waiting("")
             self.wait_s += time.perf_counter() - start
 
     def _cancel(self, request: MPI.Request, out: torch.Tensor, source: int) -> None:

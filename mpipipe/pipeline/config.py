@@ -26,6 +26,7 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "checkpoint_every": 0,  # save every N steps (0: never)
         "checkpoint_dir": "",  # where checkpoints go (default: beside the log)
         "threads": 1,  # torch compute threads per rank
+        "watchdog_s": 0.0,  # no progress for this long ends the job, stacks dumped (0: max(60 s, 20 steps))
     },
     "data": {
         "path": "data/digits",  # directory with train/ and test/ shard data sets

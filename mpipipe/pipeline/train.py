@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpipipe.core import stop
+from mpipipe.core import stop, watchdog
 from mpipipe.core.cli import Run, gather_figures
 from mpipipe.core.logschema import EventKind
 from mpipipe.core.lr import set_rate_for_step
@@ -372,6 +372,7 @@ def train(run: Run) -> int:
         except (Late, PeerFailed) as e:
             _abort(s, step, e)
         gathered = gather_figures(comm, figures)
+        watchdog.beat(step)
         now = time.perf_counter()
         dt, t_prev = now - t_prev, now
         if gathered is not None:

@@ -104,6 +104,12 @@ class Decision(_Message):
     backups: dict[int, tuple[int, ...]]  # stage -> its backups in the new generation
     log: int  # the world rank writing the log
 
+    @property
+    def comm_tag(self) -> str:
+        """The tag the members build the new generation's communicator under
+        (mpipipe.core.ft.from_group): unique to the generation and its members."""
+        return f"mpipipe-gen{self.gen}-" + "-".join(map(str, sorted(self.members)))
+
 
 M = TypeVar("M", StateReport, Decision)
 _KINDS: dict[type, int] = {StateReport: _KIND_REPORT, Decision: _KIND_DECISION}

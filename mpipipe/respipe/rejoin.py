@@ -96,17 +96,13 @@ class Rejoin:
 
         False when the communicator could not be built (then the rank leaves)."""
         MPI = self.MPI
-        group = self.lobby.comm.Get_group().Incl(list(d.members))
         try:
-            new = self.lobby.comm.Create_group(group, tag=100 + d.gen % 1000)
-            new.Set_errhandler(MPI.ERRORS_RETURN)
+            new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag)
             ctl = new.Dup()
             ctl.Set_errhandler(MPI.ERRORS_RETURN)
             ft.agree(new, 1)
         except MPI.Exception:
             return False  # a member died meanwhile: the survivors shrink without this rank
-        finally:
-            group.Free()
         k, P = d.admit_stage, d.step
         self.data, self.control, self.members = new, _Control(ctl), list(d.members)
         self.gen, self._gen_step = d.gen, P

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mpipipe.core import ft, stop
+from mpipipe.core import ft, stop, watchdog
 from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
 from mpipipe.core.transport import REPLICA, PeerFailed
 from mpipipe.pipeline.engine import Route
@@ -92,6 +92,7 @@ class Replicas:
         """One poll of a backup: take replicas (cold) or mirror a step (hot). True when done."""
         k = self.shadowing
         assert k is not None
+        watchdog.beat()  # a backup that polls is not stuck (its stage's watchdog covers it)
         stage_w = self.route_w[k]
         # The control plane is looked at message by message only when something waits
         # there (or a stop signal came): the dozen probes of a full look cost a backup

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mpipipe.core import ft
+from mpipipe.core import ft, watchdog
 from mpipipe.core.logschema import EventKind
 from mpipipe.core.statecodec import unpack_state
 from mpipipe.core.transport import Late, PeerFailed, pause
@@ -186,6 +186,8 @@ class Rounds:
             if self._demoted():
                 raise Demoted(self.gen + 1)
             silent = self._collect(heard, dead)
+            watchdog.waiting(f"in a round of generation {self.gen} (step {self.done + 1}), "
+                             f"waiting to hear from ranks {silent or 'none'} and for a decision")
             waited = time.perf_counter() - start
             coordinator = min(heard)
             late = {m.suspect for m in heard.values() if m.reason == "late"}
@@ -201,6 +203,7 @@ class Rounds:
                 if coordinator == self.wrank:
                     raise RuntimeError("round failed: no decision reached")
             pause(waited)
+        watchdog.waiting("")
         if _DEBUG:
             self._say(f"round gen {self.gen}: {rnd.reason} suspect {rnd.suspect} -> "
                       f"members {list(decision.members)} route {list(decision.route)} "
@@ -220,20 +223,18 @@ class Rounds:
         gone = [w for w in self.members if w not in d.members]
         new = None
         shrunk = bool(d.shrink)  # the ranks a shrink leaves out had failed
-        # An admitted rank is not on this generation's communicator: build from the lobby.
-        parent = made_from = self.lobby.comm if d.admit >= 0 else old_ctl
+        # The members alone build it, from their world ranks (ft.from_group): a left-out
+        # rank, dead or stalled, and an admitted rank (not on this generation's
+        # communicator) need nothing else. The lobby's ranks are world ranks.
+        made_from = self.lobby.comm
         if not d.shrink:
-            group = parent.Get_group().Incl([w if d.admit >= 0 else self._drank(w)
-                                             for w in d.members])
             try:
-                new = parent.Create_group(group, tag=100 + d.gen % 1000)
-                new.Set_errhandler(MPI.ERRORS_RETURN)
+                new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag)
             except MPI.Exception as e:
-                # A left-out rank was dead after all: ULFM refuses; every member gets the
-                # same error and shrinks instead.
+                # A member died since the decision: every member gets the same error and
+                # shrinks instead (a rank left out alive, stalled, then waits with them).
                 if not (self.ulfm and ft.is_proc_failed(e)):
                     raise
-            group.Free()
         if new is None:
             new, made_from = ft.shrink(old_ctl), old_ctl
             shrunk = True
@@ -346,5 +347,6 @@ class Rounds:
             self._go_on()
         else:
             self._resync(P)
+        watchdog.beat()
         if _DEBUG:
             self._say(f"applied at {time.time() % 100:.3f}")

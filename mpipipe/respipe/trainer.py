@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpipipe.core import ft
+from mpipipe.core import ft, watchdog
 from mpipipe.core.checkpoint import CheckpointError
 from mpipipe.core.data import DataFault
 from mpipipe.core.faults import FaultPlan
@@ -340,6 +340,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
             self._say(f"step {s}: {time.perf_counter() - t0:.3f} s (compute "
                       f"{pipe.last_compute_s:.3f}, wait {pipe.last_wait_s:.3f})")
         self._report(s, self._step_figs(s, loss))
+        watchdog.beat(s)
         if failed is not None:
             raise failed
         if self._eval_point(self.done) or self.done == self.total:
