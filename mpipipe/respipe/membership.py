@@ -57,8 +57,14 @@ class Membership:
         return statistics.median(self.step_times) if self.step_times else 0.0
 
     def _deadline(self) -> float:
+        """How long a receive waits before its sender is late: ``deadline_s``, or once 5
+        steps are timed, ``deadline_factor`` median steps, except in the first step of a
+        generation. Why: after a round every rank restarts at once, but some still do the
+        round's own work (the log's writer collects figures, a promoted backup loads its
+        replica); counted against the tight deadline, that made healthy ranks late."""
         s = self.settings
-        if s.deadline_factor > 0 and len(self.step_times) >= 5:
+        if s.deadline_factor > 0 and len(self.step_times) >= 5 and \
+                (self.gen == 0 or self.done > self._gen_step):
             return max(s.deadline_factor * self._median_step(), MIN_DEADLINE_S)
         return s.deadline_s
 
