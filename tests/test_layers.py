@@ -39,7 +39,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mpipipe", "stannis", "native")
-COMMANDS = frozenset({"mpipipe", "mpipipe.__main__", "mpipipe.train", "mpipipe.cost", "mpipipe.report",
+COMMANDS = frozenset({"mpipipe", "mpipipe.__main__", "mpipipe.train", "mpipipe.cost", "mpipipe.report", "mpipipe.chaos",
                       "mpipipe.testbed", "mpipipe.linkprobe"})
 # mpipipe's layers in order; a module may import its own layer and those below.
 LAYERS = ("native", "mpipipe.core", "mpipipe.pipeline", "mpipipe.respipe", "commands")

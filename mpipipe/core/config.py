@@ -72,13 +72,15 @@ def _unknown_section(section: str, defaults: Mapping, origin: str) -> ConfigErro
 
 
 def _unknown_key(section: str, key: str, defaults: Mapping, origin: str) -> ConfigError:
-    """Suggest the nearest key of the same section, else the same key name in another
-    section (``run.batch_size`` -> ``data.batch_size``), else the nearest anywhere."""
-    near = _nearest(key, defaults[section])
-    if near is not None:
-        near = f"{section}.{near}"
-    else:
-        elsewhere = {k: f"{s}.{k}" for s, body in reversed(defaults.items()) if isinstance(body, dict) for k in body}
+    """Suggest the same key name in another section (``run.batch_size`` ->
+    ``data.batch_size``), else the nearest key of the same section, else the nearest
+    anywhere."""
+    elsewhere = {k: f"{s}.{k}" for s, body in reversed(defaults.items()) if isinstance(body, dict) for k in body}
+    near = elsewhere.get(key)
+    if near is None:
+        near = _nearest(key, defaults[section])
+        near = f"{section}.{near}" if near is not None else None
+    if near is None:
         other = _nearest(key, elsewhere)
         near = elsewhere[other] if other else None
     hint = f": did you mean '{near}'?" if near else ""

@@ -1,0 +1,61 @@
+"""The progress watchdog, in a process of its own: it fires only without progress, writes
+the stack and one line naming the wait, closes the log as stuck and ends the process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, threading, time
+    from pathlib import Path
+    from mpipipe.core import watchdog
+    out = Path(sys.argv[1])
+    beats = float(sys.argv[2])
+    dog = watchdog.install(watchdog.Watchdog(
+        rank=0, seconds=1.0, stacks=out / "run.h5.stacks", prog="mpipipe train",
+        holds_log=lambda: True, close_log=lambda s: (out / "status").write_text(s),
+        abort=os._exit))
+    end = time.monotonic() + beats
+    step = 0
+    while time.monotonic() < end:  # progress: a step every 0.1 s
+        watchdog.beat(step)
+        step += 1
+        time.sleep(0.1)
+    print("beats over", flush=True)
+    watchdog.waiting((3, "ACT", 4, 1))
+    time.sleep(60)  # stuck
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_progress_says_where_it_waits_and_closes_the_log(tmp_path):
+    # 3 s of steady progress (3 x the limit) first: a rank that progresses never fires.
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "3"],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.splitlines() == ["beats over"]  # it did not fire while beating
+    lines = [ln for ln in proc.stderr.splitlines() if "error: stuck" in ln]
+    assert len(lines) == 1, proc.stderr
+    assert "rank 0 made no progress for" in lines[0]
+    assert "waiting for rank 3 (ACT of step 5, micro-batch 1)" in lines[0]
+    assert (tmp_path / "status").read_text().startswith("failed: stuck: rank 0")
+    stack = (tmp_path / "run.h5.stacks" / "rank-0.txt").read_text()
+    assert "time.sleep" in stack or "<module>" in stack
+
+
+def test_the_limit_is_a_minute_or_twenty_median_steps():
+    from mpipipe.core.watchdog import Watchdog
+
+    dog = Watchdog(rank=0, seconds=0, stacks=Path("."), prog="x", holds_log=lambda: False,
+                   close_log=lambda s: None, abort=lambda c: None)
+    assert dog.limit() == 60.0
+    dog.step_times.extend([5.0] * 5)
+    assert dog.limit() == 100.0
+    with pytest.raises(ValueError, match="watchdog_s"):
+        Watchdog(rank=0, seconds=-1, stacks=Path("."), prog="x", holds_log=lambda: False,
+                 close_log=lambda s: None, abort=lambda c: None)
