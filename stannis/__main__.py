@@ -1,4 +1,4 @@
-"""Command line: `python -m stannis train|prepare|defaults`."""
+"""Command line: `python -m stannis train|prepare|chaos|defaults`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,16 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--overwrite", action="store_true", help="replace an existing split")
     sub.add_parser("defaults", help="print the default configuration as TOML")
+    chaos = sub.add_parser(
+        "chaos", help="run a random fault campaign on your job and judge every run",
+        description="Draw N seeded fault scenarios on your Stannis job (kills, stalls and "
+                    "slow-downs of CSDs, several at once and at re-tunes; now and then a kill "
+                    "of the host), run each under mpirun --with-ft ulfm with a time limit, and "
+                    "judge it against docs/stannis.md. Exit status 1 if any run hung, crashed, "
+                    "gave a wrong result or ended in a way the docs do not allow.")
+    from .chaos import add_arguments
+
+    add_arguments(chaos)
     return parser
 
 
@@ -49,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "defaults":
         print(_defaults(), end="")
         return 0
+    if args.command == "chaos":
+        from .chaos import main as chaos_main
+
+        return chaos_main(args)
     if args.command == "prepare":
         from native import ShardError
 
