@@ -19,6 +19,7 @@ _ANNOUNCE, _DECISION, _DEMOTED, _END, _FIGS, _FAULT, _EVAL = range(1, 8)
 _REJOIN, _ADMIT, _CLOSED = range(8, 11)
 _RELEASED = 11  # on the lobby: a replaced log writer has closed the file
 _STOP, _STOP_ASK = 12, 13  # the clean stop (mpipipe.core.stop.ControlStop), on the control plane
+_LOSS = 14  # the last stage's loss of a step, to the writer's successor (Logbook._report)
 _CTL_LEN = 256
 
 

@@ -18,7 +18,7 @@ from mpipipe.core import ft
 from mpipipe.core.faults import Fault
 from mpipipe.core.logschema import EventKind
 from mpipipe.core.runlog import LogError
-from mpipipe.respipe.control import _EVAL, _FAULT, _FIGS, _RELEASED
+from mpipipe.respipe.control import _EVAL, _FAULT, _FIGS, _LOSS, _RELEASED
 from mpipipe.respipe.costmodel import predict, stage_shapes
 from mpipipe.respipe.messages import Decision
 
@@ -89,8 +89,22 @@ class Logbook:
             if self.progress is not None and self.log.active:  # once: by the log writer
                 self.progress.event(kind, step=step, rank=rank, **detail)
 
+    def _loss_keeper(self) -> int | None:
+        """The stage that keeps copies of the last stage's losses: the one that writes the
+        log if the writer leaves (the lowest stage of the route but the writer, the rule
+        of :func:`mpipipe.respipe.decide.decide`), or if that is the last stage itself,
+        the one after it."""
+        others = [w for w in self.route_w if w not in (self.log_w, self.route_w[-1])]
+        return min(others) if others else None
+
     def _report(self, s: int, figs: list[float]) -> None:
         self._keep_figs(figs)
+        # The loss exists on the last stage and the writer only: a copy goes to a third
+        # stage (_loss_keeper), so that the row keeps its loss when the writer and the
+        # last stage are lost together (a new writer rebuilds the row, _move_log).
+        keeper = self._loss_keeper()
+        if not math.isnan(figs[2]) and keeper is not None:
+            self.control.send(_LOSS, self._drank(keeper), [s, figs[2]], seq=s)
         if not self.is_logger:
             self.control.send(_FIGS, self._drank(self.log_w), figs, seq=s)
             return
@@ -131,7 +145,9 @@ class Logbook:
         # not wait for them (``alive``: the ranks worth waiting for).
         want = rebuilt if rebuilt is not None else [w for w in self.route_w if w != self.wrank]
         end = time.perf_counter() + wait_s
+        passes = 0
         while True:
+            passes += 1
             for w in want:
                 if w in row.ranks or w not in self.members:
                     continue
@@ -141,8 +157,12 @@ class Logbook:
                     if not math.isnan(msg[2]):
                         row.loss = float(msg[2])
                     row.time = max(row.time, float(msg[1]))
+            # A rank that died after sending is not waited for, but looked at more than
+            # once: a probe finds a message only once MPI has progressed it (seen here:
+            # the first probe after a quiet spell misses a message the second one finds),
+            # and the last stage's figures carry the row's loss.
             if all(w in row.ranks for w in want
-                   if w in self.members and (alive is None or w in alive)) or \
+                   if w in self.members and (alive is None or w in alive or passes < 4)) or \
                     time.perf_counter() > end:
                 return
             time.sleep(0.0005)
@@ -222,6 +242,23 @@ class Logbook:
                         replica=c.replica, shadow=c.shadow, lost_updates=c.lost_updates,
                         mode=s.mode, replicate_every=s.replicate_every)
 
+    def _take_losses(self, passes: int = 1) -> None:
+        """The loss keeper keeps the last stage's recent losses (see _report).
+        ``passes``: looks at each step (a probe finds a message only once MPI progressed
+        it, see _collect_figs; a round looks more than once)."""
+        last = self.route_w[-1]
+        if last == self.wrank or last not in self.members:
+            return
+        for _ in range(passes):
+            for s in range(max(0, self.done - 4), self.done + 1):
+                if s in self.loss_copies:
+                    continue
+                msg = self.control.poll(_LOSS, self._drank(last), seq=s)
+                if msg is not None:
+                    self.loss_copies[int(msg[0])] = float(msg[1])
+        for old in [s for s in self.loss_copies if s < self.done - 4]:
+            del self.loss_copies[old]
+
     def _figs_again(self, wanted: Callable[[int], bool]) -> list[int]:
         """This rank's kept figures of the ``wanted`` steps go to the writer again; the
         writer starts those rows from its own. Returns the steps of the rows started."""
@@ -231,7 +268,9 @@ class Logbook:
                 self.control.send(_FIGS, self._drank(self.log_w), figs, seq=int(figs[0]))
             return []
         for figs in mine:
-            row = _Row(int(figs[0]), figs[1], figs[2], self.batch_size)
+            loss = figs[2] if not math.isnan(figs[2]) else \
+                self.loss_copies.get(int(figs[0]), math.nan)
+            row = _Row(int(figs[0]), figs[1], loss, self.batch_size)
             row.ranks[self.wrank] = self._fig_dict(figs)
             self.pending_rows[row.step] = row
         return [int(f[0]) for f in mine]

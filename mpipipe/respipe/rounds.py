@@ -259,9 +259,11 @@ class Rounds:
         t_comm = time.time()
         del old_data  # never freed: a demoted rank may still post to it
         if self.wrank == d.log:
-            # Fault notes and figures of steps before the round travel on the old control
-            # communicator: read them before leaving it.
+            # Fault notes, figures and loss copies of steps before the round travel on the
+            # old control communicator: read them before leaving it.
             self._drain_fault_notes(new_writer=d.log != self.log_w)
+            if d.log != self.log_w:
+                self._take_losses(passes=4)
             for s in sorted(self.pending_rows):
                 self._collect_figs(s, 0.2, alive=d.members)
         self.data, self.control, self.members = new, _Control(ctl), members_new

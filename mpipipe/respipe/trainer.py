@@ -139,6 +139,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self.log_w = plan.log_rank  # world rank writing the log (it opened it); a round moves it
         self.recent_figs: deque[list[float]] = deque(maxlen=3)  # this rank's, for a new writer
         self._rebuilt: dict[int, list[int]] = {}  # new writer: step -> ranks resending figures
+        self.loss_copies: dict[int, float] = {}  # the loss keeper's: step -> loss
         data = self.world.Dup()
         data.Set_errhandler(MPI.ERRORS_RETURN)
         ctl = data.Dup()
@@ -303,6 +304,8 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         ta = time.perf_counter()
         self._poll_rejoin()
         self._drain_fault_notes()
+        if self.wrank == self._loss_keeper():
+            self._take_losses()
         slept = self.faults.at_step(s)
         # Only the first stage reads data, and the last one when labels do not travel.
         x, y = self.batch_of(s) if pipe.first or (pipe.last and pipe.labels == "local") \
