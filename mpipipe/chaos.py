@@ -20,8 +20,10 @@ fault list alone against docs/respipe.md:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import random
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,8 +139,11 @@ class _Campaign:
             ["resilience.backups={}", 'resilience.mode="cold"']
         key = tuple(sets)
         if key not in self.refs:
-            name = f"ref-{len(self.refs)}"
+            # Named by what it depends on: another campaign in the same --out reuses no
+            # file of a different reference.
+            name = "ref-" + hashlib.sha1("\0".join(key).encode()).hexdigest()[:10]
             log = folder / f"{name}.h5"
+            shutil.rmtree(folder / f"{name}-ckpt", ignore_errors=True)
             argv = chaos.python_argv("mpipipe", config=self.config,
                                      sets=[*sets, f'run.checkpoint_dir="{folder / name}-ckpt"'],
                                      faults=[], log=log)
@@ -154,6 +159,7 @@ class _Campaign:
         name = f"run-{sc.index}"
         log = folder / f"{name}.h5"
         ckpt = folder / f"{name}-ckpt"
+        shutil.rmtree(ckpt, ignore_errors=True)  # (a rerun's: no stale stage file)
         argv = chaos.python_argv("mpipipe", config=self.config,
                                  sets=[*sc.sets, f'run.checkpoint_dir="{ckpt}"'],
                                  faults=sc.faults, log=log)
