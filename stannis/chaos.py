@@ -1,0 +1,185 @@
+"""`python -m stannis chaos`: a random fault campaign on the user's own Stannis job.
+
+Each scenario takes the user's configuration and draws, from its own seed, a short run
+and one to three faults: kills, stalls and slow-downs of CSDs (several at once, some at
+a re-tune step, where the plan changes) and, now and then, a kill of the host. It runs
+under ``mpirun --with-ft ulfm`` with a time limit and is judged from its fault list
+alone against docs/stannis.md:
+
+- ``completed``: every step's row once with a finite loss, and no CSD dropped that no
+  fault hit (a dropped CSD's records are counted as lost, as documented);
+- ``host-lost``: the host was killed; the survivors end with one error line and the
+  rows the host wrote stay readable (the host writes the log, so it cannot close it);
+- ``refused``: one line at start-up;
+- otherwise HANG, CRASH, WRONG or UNEXPECTED (see :mod:`mpipipe.core.chaos`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from mpipipe.core import chaos
+from mpipipe.core.chaos import Job, Scenario, Verdict
+
+__all__ = ["main", "add_arguments", "judge"]
+
+PROG = "stannis chaos"
+STEPS = (40, 60)
+STALL_S = (1, 2, 4, 8)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    chaos.add_chaos_arguments(parser, runs=12)
+    parser.add_argument("--host-kills", type=float, default=0.1, metavar="P",
+                        help="share of scenarios that kill the host too (default 0.1)")
+
+
+class _Campaign:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from mpipipe.core.config import load_config
+
+        from .config import STANNIS_CHOICES, STANNIS_DEFAULTS
+
+        self.args = args
+        self.config = chaos.config_path(args.config)
+        self.cfg = load_config(self.config, args.set, STANNIS_DEFAULTS, STANNIS_CHOICES)
+        self.csds = int(self.cfg["stannis"]["csds"])
+        if self.csds < 1:
+            raise ValueError("stannis.csds must be at least 1 for a fault campaign")
+        if args.steps and args.steps < 10:
+            raise ValueError(f"--steps {args.steps}: give at least 10")
+        if not 0 <= args.host_kills <= 1:
+            raise ValueError(f"--host-kills {args.host_kills}: give a share between 0 and 1")
+        self.retune = int(self.cfg["stannis"]["retune_every"])
+
+    def draw(self, rng: random.Random, index: int) -> Scenario:
+        from mpipipe.core.config import load_config
+        from mpipipe.core.faults import FaultError, check_reachable, parse_all
+
+        from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, stannis_plan
+
+        n = self.args.steps or rng.choice(STEPS)
+        world = 1 + self.csds
+        sets = [*self.args.set, f"run.steps={n}", f"run.eval_every={n // 2}"]
+        cfg = load_config(self.config, sets, STANNIS_DEFAULTS, STANNIS_CHOICES)
+        plan = stannis_plan(cfg, world)
+        faults: list[str] = []
+        kill_host = rng.random() < self.args.host_kills
+        for i in range(rng.choice((1, 1, 2, 2, 3))):
+            for _attempt in range(20):
+                spec = self._fault(rng, n, faults, host=kill_host and i == 0)
+                try:
+                    check_reachable(parse_all([*faults, spec]), plan, steps=n)
+                except FaultError:
+                    continue
+                faults.append(spec)
+                break
+        targets = sorted({int(f.rank) for f in parse_all(faults) if f.rank is not None})
+        knobs = {"CSDs": self.csds, "N": n, "retune_every": self.retune, "world": world}
+        return Scenario(index, world, sets, faults, knobs,
+                        {"targets": targets, "host_killed": any(
+                            f.kind == "kill" and f.rank == 0 for f in parse_all(faults))})
+
+    def _fault(self, rng: random.Random, n: int, earlier: list[str], host: bool) -> str:
+        kind = "kill" if host else rng.choices(("kill", "stall", "slow"), weights=(3, 3, 2))[0]
+        rank = 0 if host else rng.randint(1, self.csds)
+        steps_before = [int(p.split("=")[1]) for f in earlier for p in f.split(":")
+                        if p.startswith("step=")]
+        roll = rng.random()
+        if steps_before and roll < 0.3:
+            step = rng.choice(steps_before)  # several at once
+        elif roll < 0.6 and self.retune > 0:  # at a re-tune, or right after it
+            step = min(n - 3, max(2, self.retune * rng.randint(1, max(1, n // self.retune - 1))
+                                  + rng.choice((0, 1))))
+        else:
+            step = rng.randint(2, n - 3)
+        if kind == "kill":
+            return f"kill:rank={rank}:step={step}"
+        if kind == "stall":
+            return f"stall:rank={rank}:step={step}:seconds={rng.choice(STALL_S)}"
+        return f"slow:rank={rank}:step={step}:factor={rng.choice((2, 3, 4))}"
+
+    def execute(self, sc: Scenario, folder: Path) -> tuple[Job, Verdict]:
+        if not hasattr(self, "clean_s"):
+            # The failure-free run's time sets every run's limit.
+            log = folder / "clean.h5"
+            argv = chaos.python_argv("stannis", config=self.config, sets=sc.sets, faults=[],
+                                     log=log)
+            job = chaos.run_job(sc.world, argv, log=log, timeout=900)
+            if job.rc != 0:
+                raise RuntimeError(f"the failure-free run failed (exit {job.rc}); see "
+                                   f"{log.with_suffix('.err')}:\n{job.stderr[-1500:]}")
+            self.clean_s = job.wall_s
+        log = folder / f"run-{sc.index}.h5"
+        argv = chaos.python_argv("stannis", config=self.config, sets=sc.sets, faults=sc.faults,
+                                 log=log)
+        stalls = sum(float(p.split("=")[1]) for f in sc.faults for p in f.split(":")
+                     if p.startswith("seconds="))
+        timeout = self.args.timeout_factor * self.clean_s + stalls + 60.0
+        job = chaos.run_job(sc.world, argv, log=log, timeout=timeout)
+        return job, judge(sc, job)
+
+
+def _rows(run: Any, last: int | None) -> str:
+    """Why the step rows are not 1..last once each with a finite loss ('' if they are;
+    ``last`` None: up to the last row written)."""
+    steps = [int(s) for s in run.steps.get("step", [])]
+    last = (steps[-1] if steps else 0) if last is None else last
+    if steps != list(range(1, last + 1)):
+        return f"step rows are not 1..{last} once each ({len(steps)} rows)"
+    bad = [s for s, v in zip(steps, run.steps.get("loss", []), strict=False)
+           if not math.isfinite(float(v))]
+    return f"non-finite loss at steps {bad[:8]}" if bad else ""
+
+
+def judge(sc: Scenario, job: Job) -> Verdict:
+    """The verdict of one Stannis run from its exit, output and log and its fault list."""
+    if job.timed_out:
+        return Verdict("HANG", "killed at the time limit")
+    trace = job.traceback()
+    if trace:
+        return Verdict("CRASH", f"traceback: {trace}")
+    run, why = chaos.read_log(job.log)
+    if run is None:
+        errors = job.error_lines()
+        if job.rc == 2 and errors and "fault" in errors[0]:
+            return Verdict("refused", errors[0])
+        return Verdict("CRASH", f"exit {job.rc}, no readable log: {why}")
+    status = str(run.attrs.get("status", ""))
+    if "stuck" in status:
+        return Verdict("HANG", f"the watchdog ended it: {status[:200]}")
+    if sc.facts["host_killed"]:
+        lost_line = any("host" in ln and "error" in ln for ln in
+                        (job.stdout + job.stderr).splitlines())
+        if job.rc == 0 or not lost_line:
+            return Verdict("UNEXPECTED", f"the host was killed, yet exit {job.rc} and "
+                                         f"{'a' if lost_line else 'no'} line naming it")
+        gaps = _rows(run, None)
+        return Verdict("WRONG", gaps) if gaps else Verdict("host-lost", f"status {status!r}")
+    if status != "completed" or job.rc != 0:
+        return Verdict("CRASH" if status in ("", "running") else "UNEXPECTED",
+                       f"exit {job.rc}, log status {status[:160]!r}")
+    gaps = _rows(run, int(sc.knobs["N"]))
+    if gaps:
+        return Verdict("WRONG", gaps)
+    dropped = {int(e["rank"]) for e in run.events_of("csd_dropped")}
+    healthy = dropped - set(sc.facts["targets"])
+    if healthy:
+        return Verdict("UNEXPECTED", f"CSD rank(s) {sorted(healthy)} dropped, though no fault "
+                                     "hit them")
+    return Verdict("completed")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        camp = _Campaign(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    return chaos.campaign(args, prog="python -m stannis chaos", argv=sys.argv[2:],
+                          draw=camp.draw, execute=camp.execute)
