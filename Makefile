@@ -49,8 +49,11 @@ test-stress: $(STAMP)
 # result or verdict the docs do not allow.
 chaos-quick: $(STAMP)
 	test -d data/digits || $(PY) -m native.convert digits data/digits
+	test -f data/stannis-digits/split.json || $(PY) -m stannis prepare
 	$(PY) -m mpipipe chaos --config jobs/configs/respipe-digits.toml --set 'data.path="data/digits"' \
 		--stages 3,4 --runs 12 --seed 1
+	$(PY) -m stannis chaos --config jobs/configs/stannis-digits.toml --set csd.slowdown=2.0 \
+		--runs 4 --seed 1
 
 test-slurm: $(STAMP)
 	bash tests/slurm/run.sh
