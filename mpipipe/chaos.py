@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import random
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 from mpipipe.core import chaos
 from mpipipe.core.chaos import Job, Scenario, Verdict
 
-__all__ = ["add_parser", "main", "draw", "judge"]
+__all__ = ["add_parser", "main", "judge"]
 
 PROG = "mpipipe chaos"
 MODES = ("cold", "hot", "neighbour")
@@ -241,43 +239,20 @@ def _stage_may_be_lost(sc: Scenario) -> bool:
     return any(set(holders) <= hit for holders in sc.facts["holders"].values())
 
 
-def _rows_once(run: Any, last: int) -> str:
-    """Why the log's step rows are not 1..last once each with a finite loss ('' if they are)."""
-    steps = [int(s) for s in run.steps.get("step", [])]
-    if steps != list(range(1, last + 1)):
-        missing = sorted(set(range(1, last + 1)) - set(steps))
-        doubled = sorted({s for s in steps if steps.count(s) > 1})
-        return f"step rows are not 1..{last} once each (missing {missing[:8]}, doubled {doubled[:8]})"
-    losses = [float(x) for x in run.steps.get("loss", [])]
-    bad = [s for s, v in zip(steps, losses, strict=False) if not math.isfinite(v)]
-    if bad:
-        return f"non-finite loss at steps {bad[:8]}"
-    return ""
-
-
 def judge(sc: Scenario, job: Job, ckpt: Path, ref_log: Path, ref_state: list[Any]) -> Verdict:
     """The verdict of one run, from its exit, output and log and the fault list alone."""
-    if job.timed_out:
-        return Verdict("HANG", "killed at the time limit")
-    trace = job.traceback()
-    if trace:
-        return Verdict("CRASH", f"traceback: {trace}")
-    run, why = chaos.read_log(job.log)
-    errors = job.error_lines()
-    if run is None:
-        if job.rc == 2 and errors and "fault" in errors[0]:
-            return Verdict("refused", errors[0])
-        return Verdict("CRASH", f"exit {job.rc}, no readable log: {why}")
+    run, verdict = chaos.first_verdict(job)
+    if verdict is not None:
+        return verdict
     status = str(run.attrs.get("status", ""))
     n = int(sc.knobs["N"])
-    if "stuck" in status:
-        return Verdict("HANG", f"the watchdog ended it: {status[:200]}")
+    errors = job.error_lines()
     if status.startswith("failed: stage"):
         if job.rc != 2 or not errors:
             return Verdict("CRASH", f"exit {job.rc} after {status[:120]!r} (expected 2 and "
                                     "one error line)")
         written = [int(s) for s in run.steps.get("step", [])]
-        gaps = _rows_once(run, written[-1] if written else 0)
+        gaps = chaos.rows_once(run, written[-1] if written else 0)
         if gaps:
             return Verdict("WRONG", gaps)
         if not _stage_may_be_lost(sc):
@@ -287,7 +262,7 @@ def judge(sc: Scenario, job: Job, ckpt: Path, ref_log: Path, ref_state: list[Any
     if status != "completed" or job.rc != 0:
         return Verdict("CRASH" if status in ("", "running") or job.rc not in (0, 2)
                        else "UNEXPECTED", f"exit {job.rc}, log status {status[:160]!r}")
-    gaps = _rows_once(run, n)
+    gaps = chaos.rows_once(run, n)
     if gaps:
         return Verdict("WRONG", gaps)
     replaced = {int(e["rank"]) for e in run.events_of("late") + run.events_of("failure_detected")}
@@ -335,15 +310,4 @@ def _compare(run: Any, ckpt: Path, ref_log: Path, ref_state: list[Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        camp = _Campaign(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    return chaos.campaign(args, prog="python -m mpipipe chaos", argv=sys.argv[2:],
-                          draw=camp.draw, execute=camp.execute)
-
-
-def draw(args: argparse.Namespace, seed: int, index: int) -> Scenario:
-    """Scenario ``index`` of campaign ``seed`` (for tests)."""
-    return _Campaign(args).draw(random.Random(f"{seed}:{index}"), index)
+    return chaos.main(args, system="mpipipe", build=_Campaign)

@@ -17,11 +17,8 @@ alone against docs/stannis.md:
 from __future__ import annotations
 
 import argparse
-import math
 import random
-import sys
 from pathlib import Path
-from typing import Any
 
 from mpipipe.core import chaos
 from mpipipe.core.chaos import Job, Scenario, Verdict
@@ -125,46 +122,24 @@ class _Campaign:
         return job, judge(sc, job)
 
 
-def _rows(run: Any, last: int | None) -> str:
-    """Why the step rows are not 1..last once each with a finite loss ('' if they are;
-    ``last`` None: up to the last row written)."""
-    steps = [int(s) for s in run.steps.get("step", [])]
-    last = (steps[-1] if steps else 0) if last is None else last
-    if steps != list(range(1, last + 1)):
-        return f"step rows are not 1..{last} once each ({len(steps)} rows)"
-    bad = [s for s, v in zip(steps, run.steps.get("loss", []), strict=False)
-           if not math.isfinite(float(v))]
-    return f"non-finite loss at steps {bad[:8]}" if bad else ""
-
-
 def judge(sc: Scenario, job: Job) -> Verdict:
     """The verdict of one Stannis run from its exit, output and log and its fault list."""
-    if job.timed_out:
-        return Verdict("HANG", "killed at the time limit")
-    trace = job.traceback()
-    if trace:
-        return Verdict("CRASH", f"traceback: {trace}")
-    run, why = chaos.read_log(job.log)
-    if run is None:
-        errors = job.error_lines()
-        if job.rc == 2 and errors and "fault" in errors[0]:
-            return Verdict("refused", errors[0])
-        return Verdict("CRASH", f"exit {job.rc}, no readable log: {why}")
+    run, verdict = chaos.first_verdict(job)
+    if verdict is not None:
+        return verdict
     status = str(run.attrs.get("status", ""))
-    if "stuck" in status:
-        return Verdict("HANG", f"the watchdog ended it: {status[:200]}")
     if sc.facts["host_killed"]:
         lost_line = any("host" in ln and "error" in ln for ln in
                         (job.stdout + job.stderr).splitlines())
         if job.rc == 0 or not lost_line:
             return Verdict("UNEXPECTED", f"the host was killed, yet exit {job.rc} and "
                                          f"{'a' if lost_line else 'no'} line naming it")
-        gaps = _rows(run, None)
+        gaps = chaos.rows_once(run, None)
         return Verdict("WRONG", gaps) if gaps else Verdict("host-lost", f"status {status!r}")
     if status != "completed" or job.rc != 0:
         return Verdict("CRASH" if status in ("", "running") else "UNEXPECTED",
                        f"exit {job.rc}, log status {status[:160]!r}")
-    gaps = _rows(run, int(sc.knobs["N"]))
+    gaps = chaos.rows_once(run, int(sc.knobs["N"]))
     if gaps:
         return Verdict("WRONG", gaps)
     dropped = {int(e["rank"]) for e in run.events_of("csd_dropped")}
@@ -176,10 +151,4 @@ def judge(sc: Scenario, job: Job) -> Verdict:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        camp = _Campaign(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    return chaos.campaign(args, prog="python -m stannis chaos", argv=sys.argv[2:],
-                          draw=camp.draw, execute=camp.execute)
+    return chaos.main(args, system="stannis", build=_Campaign)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import shlex
@@ -34,7 +35,7 @@ from typing import Any
 from mpipipe.core.launch import kill_job, start_mpi
 
 __all__ = ["Scenario", "Job", "Verdict", "GOOD", "BAD", "add_chaos_arguments", "parse_budget",
-           "run_job", "campaign", "read_log"]
+           "run_job", "campaign", "read_log", "first_verdict", "rows_once", "main"]
 
 # What a run may end as. The good verdicts are those the docs promise; the bad ones are
 # defects: HANG (the outer time limit, or the progress watchdog, ended it), CRASH (a
@@ -176,6 +177,55 @@ def read_log(path: Path) -> tuple[Any | None, str]:
         return open_log(path), ""
     except LogError as e:
         return None, str(e)
+
+
+def first_verdict(job: Job) -> tuple[Any, Verdict | None]:
+    """What every system judges alike, before its own rules: (the run's log or None, a
+    verdict or None). A time-out or the watchdog is a HANG, a traceback a CRASH; no
+    readable log is ``refused`` after one start-up line about a fault, else a CRASH."""
+    if job.timed_out:
+        return None, Verdict("HANG", "killed at the time limit")
+    trace = job.traceback()
+    if trace:
+        return None, Verdict("CRASH", f"traceback: {trace}")
+    run, why = read_log(job.log)
+    if run is None:
+        errors = job.error_lines()
+        if job.rc == 2 and errors and "fault" in errors[0]:
+            return None, Verdict("refused", errors[0])
+        return None, Verdict("CRASH", f"exit {job.rc}, no readable log: {why}")
+    status = str(run.attrs.get("status", ""))
+    if "stuck" in status:
+        return run, Verdict("HANG", f"the watchdog ended it: {status[:200]}")
+    return run, None
+
+
+def rows_once(run: Any, last: int | None) -> str:
+    """Why the log's step rows are not 1..last once each with a finite loss ('' if they
+    are; ``last`` None: up to the last row written)."""
+    steps = [int(s) for s in run.steps.get("step", [])]
+    last = (steps[-1] if steps else 0) if last is None else last
+    if steps != list(range(1, last + 1)):
+        missing = sorted(set(range(1, last + 1)) - set(steps))
+        doubled = sorted({s for s in steps if steps.count(s) > 1})
+        return (f"step rows are not 1..{last} once each (missing {missing[:8]}, "
+                f"doubled {doubled[:8]})")
+    bad = [s for s, v in zip(steps, run.steps.get("loss", []), strict=False)
+           if not math.isfinite(float(v))]
+    return f"non-finite loss at steps {bad[:8]}" if bad else ""
+
+
+def main(args: argparse.Namespace, *, system: str, build: Callable[[argparse.Namespace], Any]
+         ) -> int:
+    """``python -m SYSTEM chaos``: build the system's campaign (``build(args)``, with
+    ``draw`` and ``execute``; a bad option is a ValueError, one line, exit 2) and run it."""
+    try:
+        camp = build(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{system} chaos: error: {e}", file=sys.stderr)
+        return 2
+    return campaign(args, prog=f"python -m {system} chaos", argv=sys.argv[2:],
+                    draw=camp.draw, execute=camp.execute)
 
 
 def _rerun(prog: str, argv: Sequence[str], seed: int, index: int) -> str:
