@@ -129,13 +129,14 @@ def judge(sc: Scenario, job: Job) -> Verdict:
         return verdict
     status = str(run.attrs.get("status", ""))
     if sc.facts["host_killed"]:
-        lost_line = any("host" in ln and "error" in ln for ln in
-                        (job.stdout + job.stderr).splitlines())
-        if job.rc == 0 or not lost_line:
+        lines = [ln for ln in job.error_lines() if "host (rank 0) died" in ln]
+        if job.rc == 0 or len(lines) != 1:
             return Verdict("UNEXPECTED", f"the host was killed, yet exit {job.rc} and "
-                                         f"{'a' if lost_line else 'no'} line naming it")
+                                         f"{len(lines)} line(s) naming it")
+        if not status.startswith("failed: the host"):
+            return Verdict("CRASH", f"the host was killed and the log says {status[:120]!r}")
         gaps = chaos.rows_once(run, None)
-        return Verdict("WRONG", gaps) if gaps else Verdict("host-lost", f"status {status!r}")
+        return Verdict("WRONG", gaps) if gaps else Verdict("host-lost", status[:120])
     if status != "completed" or job.rc != 0:
         return Verdict("CRASH" if status in ("", "running") else "UNEXPECTED",
                        f"exit {job.rc}, log status {status[:160]!r}")

@@ -22,6 +22,7 @@ from mpipipe.core.faults import FaultPlan, parse_all
 from mpipipe.core.logschema import EventKind
 from mpipipe.core.lr import decay, set_lr
 from mpipipe.core.models import build_model
+from mpipipe.core.runlog import LogError
 
 from .allreduce import WeightedAllreduce, broadcast_state
 from .audit import AuditedComm
@@ -68,7 +69,13 @@ def _count(x: float) -> int:
 
 
 class HostLost(RuntimeError):
-    """The host rank died: there is no one left to hold the public data and the log."""
+    """The host rank died: there is no one left to hold the public data and the log.
+
+    ``survivors``: the world ranks left; the lowest says so and closes the log."""
+
+    def __init__(self, message: str, survivors: list[int]) -> None:
+        super().__init__(message)
+        self.survivors = survivors
 
 
 def equal_split(global_batch: int, n: int) -> list[int]:
@@ -458,7 +465,9 @@ class Trainer:
         dead = [r for r in self.members if r not in survivors]
         self.dropped_pending += dead  # logged once the survivors are in step again
         if 0 in dead:
-            raise HostLost("the host (rank 0) died; a Stannis job cannot continue without it")
+            raise HostLost(f"the host (rank 0) died at step {self.step + 1}; a Stannis job "
+                           "cannot continue without it (the public data and the model's "
+                           "reference copy live there)", survivors)
         old_comm = self.comm
         self.comm = AuditedComm(new)
         self.comm.sent, self.comm.recv = old_comm.sent, old_comm.recv
@@ -778,7 +787,17 @@ def main(args: argparse.Namespace) -> int:
             stop.flush_and_exit(e.exit_code)
         return e.exit_code
     except HostLost as e:
-        print(f"{PROG}: error: {e}", flush=True)
+        if run.rank == min(e.survivors):
+            # One line, and the log the host left open is closed with the reason: the
+            # lowest survivor opens it once the dead host's lock is gone (a dead process
+            # holds none) and writes the status only; its rows stay the host's.
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+            try:
+                run.log.take_over(None)
+                run.log.close(f"failed: {e}")
+            except LogError as why:
+                print(f"{PROG}: error: the run log could not be closed: {why}",
+                      file=sys.stderr, flush=True)
         stop.flush_and_exit(1)  # the host is dead: MPI_Finalize would wait for it
     except (MPI.Exception, ft.PhaseFailed) as e:
         # A failure the recovery could not get past (without ULFM, any): say so and leave
