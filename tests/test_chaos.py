@@ -120,3 +120,29 @@ def test_verdicts_without_a_log(tmp_path):
                                            "it is due at step 5, beyond the run\n"), *args)
     assert refused.name == "refused"
     assert judge(sc, _job(tmp_path, 1, "something\n"), *args).name == "CRASH"
+
+
+STANNIS = str(ROOT / "jobs" / "configs" / "stannis-digits.toml")
+
+
+def test_stannis_scenarios_hit_csds_at_retunes_and_now_and_then_the_host():
+    import stannis.__main__ as cli
+    from mpipipe.core.config import load_config
+    from stannis.chaos import _Campaign
+    from stannis.config import STANNIS_CHOICES, STANNIS_DEFAULTS, stannis_plan
+
+    args = cli._parser().parse_args(["chaos", "--config", STANNIS, "--host-kills", "0.2"])
+    camp = _Campaign(args)
+    host, at_retune, together = 0, 0, 0
+    for i in range(200):
+        sc = camp.draw(random.Random(f"3:{i}"), i)
+        cfg = load_config(STANNIS, [*sc.sets, f"stannis.inject={sc.faults!r}".replace("'", '"')],
+                          STANNIS_DEFAULTS, STANNIS_CHOICES)
+        stannis_plan(cfg, sc.world)  # every drawn fault passes Stannis's own checks
+        host += sc.facts["host_killed"]
+        steps = [int(p.split("=")[1]) for f in sc.faults for p in f.split(":")
+                 if p.startswith("step=")]
+        at_retune += any(s % 5 in (0, 1) for s in steps)
+        together += len(steps) != len(set(steps))
+    assert 20 <= host <= 60  # 0.2 of 200, well inside the binomial's spread
+    assert at_retune > 100 and together > 10
