@@ -302,7 +302,10 @@ class Trainer:
             self._compute(max(sizes))  # warm-up: first calls allocate and are not typical
             for i, b in enumerate(sizes):
                 # The fastest repeat: noise (a busy core, a cache miss) only ever adds time.
-                times = [self._compute(b)[0] for _ in range(s["benchmark_repeats"])]
+                times = []
+                for _ in range(s["benchmark_repeats"]):
+                    times.append(self._compute(b)[0])
+                    watchdog.beat()
                 row[2 * i], row[2 * i + 1] = b, float(np.min(times))
         except DataFault as e:  # the benchmark reads records too: every rank stops, as in a step
             error = str(e)
@@ -720,6 +723,7 @@ class Trainer:
         loss = 0.0
         with torch.no_grad():
             for x, y in test_batches(f"{self.cfg['data']['path']}/public", 1024):
+                watchdog.beat()
                 out = self.model(x)
                 loss += float(self.loss_fn(out, y).item()) * len(y)
                 correct += int((out.argmax(1) == y).sum())

@@ -59,9 +59,12 @@ def set_aside(run: Any) -> Iterator[Any]:
 
 
 def _idle_until_end(end: Any, MPI: Any) -> None:
+    from mpipipe.core import watchdog
+
     request = end.Ibarrier()
     try:
         while not request.Test():
+            watchdog.beat()  # idle by design, not stuck
             time.sleep(POLL_S)
     except MPI.Exception:
         # A working rank died (ULFM). Leave without MPI_Finalize, whose world-wide

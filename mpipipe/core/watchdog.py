@@ -6,16 +6,20 @@ defect can still leave a rank waiting forever (a lost message, a round that neve
 decides). Like NCCL's watchdog, each rank has a thread that looks, once a second, at
 when the rank last made progress: a step done, a message received, a round applied
 (:func:`beat`). After ``W`` seconds without any (``run.watchdog_s``; 0: the larger of
-60 s and 20 median steps), the rank
+60 s and 20 median steps; before the rank's first step at least STARTUP_S, for torch's
+import, the data's checks and a backup's warm-up), the rank writes its Python stack,
+every thread, to ``<log>.stacks/rank-<r>.txt`` after one line of what it waited for
+(the transport names the peer, kind, step and micro-batch of the wait; a ResPipe round
+names the ranks it waits to hear from). Then:
 
-1. writes its Python stack, every thread, to ``<log>.stacks/rank-<r>.txt`` with one
-   line of what it waited for (the transport names the peer, kind, step and micro-batch
-   of the wait; a ResPipe round names the ranks it waits to hear from);
-2. if it holds the run log, waits a few seconds for the other stuck ranks' files,
-   prints one line (``<prog>: error: stuck: ...``, who waited for whom at which step),
-   and closes the log as ``failed: stuck: ...``; every row written before stays;
-3. aborts the job (``MPI_Abort``), so mpirun exits non-zero. A rank that does not hold
-   the log first gives the writer time to do step 2.
+- the rank that holds the run log waits a few seconds for the other stuck ranks'
+  files, prints one line (``<prog>: error: stuck: ...``, who waited for whom at which
+  step), closes the log as ``failed: stuck: ...`` (every row written before stays) and
+  aborts the job (``MPI_Abort``), so mpirun exits non-zero;
+- any other rank says so in one line and waits: its wait may be the writer's long
+  work (a Stannis CSD waits in a collective while the host evaluates). If it makes
+  progress again it goes on; if not for another ``W``, it aborts the job itself (the
+  writer is then gone or stuck where it cannot see it).
 
 Nothing here imports torch or touches a communicator before it fires.
 """
@@ -32,13 +36,14 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Watchdog", "install", "beat", "waiting", "use_log", "uninstall", "MIN_S", "STEPS"]
+__all__ = ["Watchdog", "install", "beat", "waiting", "use_log", "uninstall", "MIN_S", "STEPS",
+           "STARTUP_S"]
 
 MIN_S = 60.0  # the automatic limit is never shorter than this ...
 STEPS = 20  # ... nor than this many median steps
+STARTUP_S = 300.0  # ... nor, before the rank's first step, than this
 LOOK_EVERY_S = 1.0
 WRITER_WAIT_S = 5.0  # the log's holder waits this long for the other ranks' stack files
-OTHERS_WAIT_S = 15.0  # a rank without the log gives the holder this long before it aborts
 EXIT_CODE = 3
 
 
@@ -62,7 +67,6 @@ class Watchdog:
         self.wait: str | tuple[int, str, int, int] = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpipipe-watchdog", daemon=True)
-        self.fired = False
 
     def start(self) -> None:
         self._thread.start()
@@ -71,11 +75,12 @@ class Watchdog:
         self._stop.set()
 
     def limit(self) -> float:
-        """W: the configured seconds, or the larger of MIN_S and STEPS median steps."""
+        """W: the configured seconds, or the larger of MIN_S and STEPS median steps (and
+        of STARTUP_S before the first step)."""
         if self.seconds > 0:
             return self.seconds
         median = statistics.median(self.step_times) if self.step_times else 0.0
-        return max(MIN_S, STEPS * median)
+        return max(MIN_S if self.step >= 0 else STARTUP_S, STEPS * median)
 
     def beat(self, step: int | None = None) -> None:
         now = time.monotonic()
@@ -86,10 +91,25 @@ class Watchdog:
             self._last_step_at, self.step = now, step
 
     def _run(self) -> None:
+        warned_at = None  # a rank without the log: when it last said it was stuck
         while not self._stop.wait(LOOK_EVERY_S):
             idle = time.monotonic() - self.last
-            if idle > self.limit():
+            if warned_at is not None and self.last > warned_at:
+                warned_at = None  # progress again: it was only waiting for slow work
+            if idle <= self.limit():
+                continue
+            if self.holds_log():
                 self._fire(idle)
+                return
+            if warned_at is None:
+                self._dump(self._line(idle))
+                print(f"{self.prog}: rank {self.rank}: no progress for {idle:.0f} s: "
+                      f"{_describe(self.wait) or 'not in a wait'}; it aborts the job after "
+                      f"{2 * self.limit():.0f} s (stack in {self.stacks})",
+                      file=sys.stderr, flush=True)
+                warned_at = time.monotonic()
+            elif idle > 2 * self.limit():
+                self._abort()
                 return
 
     def _line(self, idle: float) -> str:
@@ -97,41 +117,41 @@ class Watchdog:
         what = _describe(self.wait) or "not in a wait (computing, or outside MPI)"
         return f"rank {self.rank} made no progress for {idle:.0f} s {where}: {what}"
 
-    def _fire(self, idle: float) -> None:
-        self.fired = True
-        line = self._line(idle)
+    def _dump(self, line: str) -> None:
+        """This rank's line and stack, every thread, into its file beside the log."""
         try:
             self.stacks.mkdir(parents=True, exist_ok=True)
-            path = self.stacks / f"rank-{self.rank}.txt"
-            with open(path, "w") as f:
+            with open(self.stacks / f"rank-{self.rank}.txt", "w") as f:
                 f.write(line + "\n\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError:
             pass
-        if self.holds_log():
-            end = time.monotonic() + WRITER_WAIT_S
-            while time.monotonic() < end:
-                time.sleep(0.2)
-            others = []
-            for p in sorted(self.stacks.glob("rank-*.txt")):
-                if p.name != f"rank-{self.rank}.txt":
-                    try:
-                        others.append(p.read_text().splitlines()[0])
-                    except (OSError, IndexError):
-                        pass
-            summary = "; ".join([line, *others])
-            print(f"{self.prog}: error: stuck: {summary} (limit {self.limit():.0f} s, "
-                  f"run.watchdog_s; every rank's stack in {self.stacks})",
+
+    def _fire(self, idle: float) -> None:
+        """The log's holder is stuck: one line naming every stuck rank's wait, the log
+        closed as stuck, the job aborted."""
+        line = self._line(idle)
+        self._dump(line)
+        time.sleep(WRITER_WAIT_S)  # the other stuck ranks write their files meanwhile
+        others = []
+        for p in sorted(self.stacks.glob("rank-*.txt")):
+            if p.name != f"rank-{self.rank}.txt":
+                try:
+                    others.append(p.read_text().splitlines()[0])
+                except (OSError, IndexError):
+                    pass
+        summary = "; ".join([line, *others])
+        print(f"{self.prog}: error: stuck: {summary} (limit {self.limit():.0f} s, "
+              f"run.watchdog_s; every rank's stack in {self.stacks})", file=sys.stderr, flush=True)
+        try:
+            self.close_log(f"failed: stuck: {summary}")
+        except Exception as e:  # noqa: BLE001 - the line above said what happened
+            print(f"{self.prog}: error: stuck, and the log could not be closed: {e}",
                   file=sys.stderr, flush=True)
-            try:
-                self.close_log(f"failed: stuck: {summary}")
-            except Exception as e:  # noqa: BLE001 - the line above said what happened
-                print(f"{self.prog}: error: stuck, and the log could not be closed: {e}",
-                      file=sys.stderr, flush=True)
-        else:
-            print(f"{self.prog}: rank {self.rank}: stuck: {line}", file=sys.stderr, flush=True)
-            time.sleep(OTHERS_WAIT_S)
+        self._abort()
+
+    def _abort(self) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from mpipipe.core import ft
+from mpipipe.core import ft, watchdog
 from mpipipe.respipe.control import _ADMIT, _CLOSED, _REJOIN, _Control
 from mpipipe.respipe.membership import Demoted
 from mpipipe.respipe.messages import Decision
@@ -88,6 +88,7 @@ class Rejoin:
             msg = self.lobby.poll(_ADMIT, self.MPI.ANY_SOURCE)
             if msg is not None:
                 return self._admitted(Decision.decode(msg))
+            watchdog.beat()  # a bounded wait of its own (REJOIN_WAIT_S), not stuck
             time.sleep(0.005)
         return False
 
