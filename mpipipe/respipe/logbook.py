@@ -242,15 +242,17 @@ class Logbook:
                         replica=c.replica, shadow=c.shadow, lost_updates=c.lost_updates,
                         mode=s.mode, replicate_every=s.replicate_every)
 
-    def _take_losses(self, passes: int = 1) -> None:
-        """The loss keeper keeps the last stage's recent losses (see _report).
-        ``passes``: looks at each step (a probe finds a message only once MPI progressed
-        it, see _collect_figs; a round looks more than once)."""
+    def _take_losses(self, passes: int = 1, back: int = 1) -> None:
+        """The loss keeper keeps the last stage's recent losses (see _report): the steps
+        from ``back`` before its own to its own, each looked at ``passes`` times (a probe
+        finds a message only once MPI progressed it, see _collect_figs). At each step it
+        looks at two (a copy is sent at the end of the last stage's step, so it may come
+        a step late: two probes a step); a round looks at the last five, four times."""
         last = self.route_w[-1]
         if last == self.wrank or last not in self.members:
             return
         for _ in range(passes):
-            for s in range(max(0, self.done - 4), self.done + 1):
+            for s in range(max(0, self.done - back), self.done + 1):
                 if s in self.loss_copies:
                     continue
                 msg = self.control.poll(_LOSS, self._drank(last), seq=s)

@@ -263,7 +263,7 @@ class Rounds:
             # old control communicator: read them before leaving it.
             self._drain_fault_notes(new_writer=d.log != self.log_w)
             if d.log != self.log_w:
-                self._take_losses(passes=4)
+                self._take_losses(passes=4, back=4)
             for s in sorted(self.pending_rows):
                 self._collect_figs(s, 0.2, alive=d.members)
         self.data, self.control, self.members = new, _Control(ctl), members_new
