@@ -55,7 +55,7 @@ from mpipipe.core.lr import set_rate_for_step
 from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
 from mpipipe.core.stop import ControlStop, StopRun
 from mpipipe.core.transport import Late, PeerFailed, set_wait_hook
-from mpipipe.respipe.control import _END, _STOP, _STOP_ASK, _Control
+from mpipipe.respipe.control import _ANNOUNCE, _DEMOTED, _END, _STOP, _STOP_ASK, _Control
 from mpipipe.respipe.decide import round_patience
 from mpipipe.respipe.hot import HotMirror
 from mpipipe.respipe.logbook import Logbook, _Row
@@ -188,7 +188,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self._rebind_pipe()
         pipe.after_forward = self.faults.at_step  # kills and stalls inside a step
         self.stopper = ControlStop(self, _STOP, _STOP_ASK)
-        set_wait_hook(lambda: self.stopper.check(boundary=False))
+        set_wait_hook(self._while_waiting)
         # Every rank built the model from the same seed: before the first replica
         # arrives, a holder's copy of the initial state is the replica of step 0.
         for k in ([self.shadowing] if self.shadowing is not None else self.wards):
@@ -199,6 +199,17 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
             self._warm_up(self.shadowing)
         if resume is not None:
             self._resume(*resume)
+
+    def _while_waiting(self) -> None:
+        """Every 10 ms of any wait: a stop, a round another rank started, or this rank's
+        demotion ends the wait. Why the round too: a revoke does not always wake a send
+        to a live rank that has not taken it (a replica to a stalled backup, seen under
+        ULFM), and a rank that stays in such a wait is silent in the round and replaced,
+        though healthy. Two probes when nothing waits (mpipipe.respipe.control.quiet)."""
+        self.stopper.check(boundary=False)
+        if not (self.control.quiet(_ANNOUNCE, seq=self.gen)
+                and self.control.quiet(_DEMOTED, seq=self.gen)):
+            self._check_announcements()
 
     def _resume(self, step: int, load: Callable[[int], Any]) -> None:
         """Continue from the checkpoints of ``step`` (``load(k)`` reads stage k's).
@@ -333,10 +344,10 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self._after_step = True
         # The step is applied: its figures leave even when its replica cannot (a holder
         # died or is late), or a round that keeps the step would find its row incomplete.
-        failed: Late | PeerFailed | None = None
+        failed: Late | PeerFailed | _RoundStarted | None = None
         try:
             self._replicate()
-        except (Late, PeerFailed) as e:
+        except (Late, PeerFailed, _RoundStarted) as e:
             failed = e
         self.step_times.append(time.perf_counter() - t0 - slept)
         if _DEBUG and self.gen and s <= self._gen_step + 1:
