@@ -49,6 +49,15 @@ def _completed_once(result, log: Path) -> object:
     return run
 
 
+def _exact(runs, name: str, *settings: str) -> object:
+    """Run a 6-rank scenario; it completes with every row once, and the plain pipeline's
+    losses and parameters on the same steps (1e-5). Returns its log."""
+    result, log, ckpt = runs(name, 6, ALL, "resilience.replicate_every=1", *settings)
+    run = _completed_once(result, log)
+    _equals_failure_free(runs, run, ckpt)
+    return run
+
+
 def _equals_failure_free(runs, run, ckpt: Path) -> None:
     """Losses and parameters of the plain pipeline on the same steps (1e-5)."""
     plain, plain_log, plain_ckpt = runs("plain", 3, "resilience.backups={}", ulfm=False)
@@ -76,24 +85,18 @@ def test_a_kill_and_a_stall_at_the_same_step_complete_exactly(runs):
     # One round leaves out a dead rank and a stalled one: Shrink waited for the stalled
     # rank, and Create_group on a parent with a dead member failed; the survivors now
     # build the communicator from their group alone (mpipipe.core.ft.from_group).
-    result, log, ckpt = runs("kill-and-stall", 6, ALL, "resilience.replicate_every=1",
-                             "resilience.deadline_s=1.5", "inject:kill:stage=2:step=12",
-                             "inject:stall:stage=1:step=12:micro=1:seconds=3")
-    run = _completed_once(result, log)
+    run = _exact(runs, "kill-and-stall", "resilience.deadline_s=1.5",
+                 "inject:kill:stage=2:step=12", "inject:stall:stage=1:step=12:micro=1:seconds=3")
     assert {e["detail"]["stage"] for e in run.events_of("takeover")} == {1, 2}
-    _equals_failure_free(runs, run, ckpt)
 
 
 @pytest.mark.timeout(600)
 def test_rounds_in_three_generations_agree(runs):
     # Two stalls, two rounds: each generation's communicator is made from a group, and
     # Open MPI's Agree on a second such communicator failed or hung (fixed: a duplicate).
-    result, log, ckpt = runs("two-stalls", 6, ALL, "resilience.replicate_every=1",
-                             "resilience.deadline_s=1.5", "inject:stall:stage=1:step=8:seconds=3",
-                             "inject:stall:stage=2:step=18:seconds=3")
-    run = _completed_once(result, log)
+    run = _exact(runs, "two-stalls", "resilience.deadline_s=1.5",
+                 "inject:stall:stage=1:step=8:seconds=3", "inject:stall:stage=2:step=18:seconds=3")
     assert len(run.events_of("takeover")) == 2
-    _equals_failure_free(runs, run, ckpt)
 
 
 @pytest.mark.timeout(600)
@@ -101,11 +104,9 @@ def test_the_writer_and_the_last_stage_killed_together_keep_the_rows_loss(runs):
     # Stage 0 writes the log and stage 2 computes the loss: both die at step 15, so the
     # loss of step 15 lived nowhere else, and the new writer logged NaN. The last stage
     # now copies its loss to a third stage (stage 1 here).
-    result, log, ckpt = runs("writer-and-last", 6, ALL, "resilience.replicate_every=1",
-                             "inject:kill:stage=0:step=15", "inject:kill:stage=2:step=15")
-    run = _completed_once(result, log)
+    run = _exact(runs, "writer-and-last", "inject:kill:stage=0:step=15",
+                 "inject:kill:stage=2:step=15")
     assert run.events_of("log_writer_moved")
-    _equals_failure_free(runs, run, ckpt)
 
 
 @pytest.mark.timeout(600)
@@ -115,9 +116,6 @@ def test_a_hot_backup_killed_mid_step_costs_no_healthy_stage_its_result(runs):
     # and replaced it; the first step of a generation now waits deadline_s. Whether a
     # loaded machine still finds a healthy rank late is not asserted (that is timing);
     # the result is: every row once, and the failure-free run's numbers.
-    result, log, ckpt = runs("hot-backup-kill", 6, ALL, 'resilience.mode="hot"',
-                             "resilience.replicate_every=1", "resilience.deadline_factor=2",
-                             "inject:kill:rank=5:step=20:micro=0")
-    run = _completed_once(result, log)
+    run = _exact(runs, "hot-backup-kill", 'resilience.mode="hot"',
+                 "resilience.deadline_factor=2", "inject:kill:rank=5:step=20:micro=0")
     assert 5 in [e["rank"] for e in run.events_of("failure_detected")]
-    _equals_failure_free(runs, run, ckpt)
