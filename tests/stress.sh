@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 busy=()
 cleanup() { for p in "${busy[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 for _ in 1 2; do
   ( while :; do :; done ) &
   busy+=("$!")
