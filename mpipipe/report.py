@@ -69,8 +69,12 @@ _QUIET_SECTIONS = frozenset({"run", "data", "model", "optim", "pipeline", "resil
 # ---------------------------------------------------------------- loading
 
 
-READ_TRIES = 5  # a log read while its run writes it may be caught mid-flush: read it again
-READ_RETRY_S = 0.2
+# A log read while its run writes it may be caught mid-flush (h5py: "bad heap index"):
+# read it again. Under load a read takes longer and overlaps more writes: 5 tries 0.2 s
+# apart all failed once beside two busy loops (make test-stress), with a writer
+# appending a row every 5 ms.
+READ_TRIES = 20
+READ_RETRY_S = 0.1
 
 
 def load_run(path: str | Path) -> RunData:
