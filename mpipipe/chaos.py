@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+@dataclass
+class _Reference:
+    """What a failure-free run gives the judge: its losses and final tensors."""
+
+    losses: list[float]
+    state: list[Any]
+
+
 class _Campaign:
     """The user's job, and the failure-free references, cached by what they depend on."""
 
@@ -79,7 +88,7 @@ class _Campaign:
         if args.steps and args.steps < 10:
             raise ValueError(f"--steps {args.steps}: give at least 10")
         self.chunks = int(self.cfg["pipeline"]["chunks"])
-        self.refs: dict[tuple[str, ...], tuple[Job, Any]] = {}
+        self.refs: dict[tuple[str, ...], tuple[Job, _Reference]] = {}
 
     def draw(self, rng: random.Random, index: int) -> Scenario:
         """Scenario ``index``: knobs and faults, redrawn until every fault can fire."""
@@ -131,7 +140,7 @@ class _Campaign:
                              for s in range(k)}}
         return Scenario(index, world, sets, faults, knobs, facts)
 
-    def reference(self, sc: Scenario, folder: Path) -> tuple[Job, Any]:
+    def reference(self, sc: Scenario, folder: Path) -> tuple[Job, _Reference]:
         """The plain pipeline's run of the same model, data, cut and steps (no faults)."""
         sets = [s for s in sc.sets if not s.startswith("resilience.")] + \
             ["resilience.backups={}", 'resilience.mode="cold"']
@@ -149,11 +158,15 @@ class _Campaign:
             if job.rc != 0:
                 raise RuntimeError(f"the failure-free reference run failed (exit {job.rc}); "
                                    f"see {log.with_suffix('.err')}:\n{job.stderr[-1500:]}")
-            self.refs[key] = (job, _final_state(folder / f"{name}-ckpt"))
+            ref, why = chaos.read_log(log)
+            if ref is None:
+                raise RuntimeError(f"the failure-free reference's log is unreadable: {why}")
+            self.refs[key] = (job, _Reference([float(x) for x in ref.steps["loss"]],
+                                              _final_state(folder / f"{name}-ckpt")))
         return self.refs[key]
 
     def execute(self, sc: Scenario, folder: Path) -> tuple[Job, Verdict]:
-        ref_job, ref_state = self.reference(sc, folder)
+        ref_job, ref = self.reference(sc, folder)
         name = f"run-{sc.index}"
         log = folder / f"{name}.h5"
         ckpt = folder / f"{name}-ckpt"
@@ -161,9 +174,10 @@ class _Campaign:
         argv = chaos.python_argv("mpipipe", config=self.config,
                                  sets=[*sc.sets, f'run.checkpoint_dir="{ckpt}"'],
                                  faults=sc.faults, log=log)
-        timeout = self.args.timeout_factor * ref_job.wall_s + _fault_time(sc) + 60.0
+        timeout = self.args.timeout_factor * ref_job.wall_s + \
+            chaos.fault_time(sc.faults, int(sc.knobs["N"])) + 60.0
         job = chaos.run_job(sc.world, argv, log=log, timeout=timeout)
-        return job, judge(sc, job, ckpt, ref_job.log, ref_state)
+        return job, judge(sc, job, ckpt, ref)
 
 
 def _words(text: str, known: tuple[str, ...], option: str) -> list[str]:
@@ -200,22 +214,6 @@ def _fault(rng: random.Random, stage_ranks: list[int], backup_ranks: list[int], 
     return f"slow:rank={stage_ranks[stage]}:step={step}:factor={rng.choice((2, 3))}"
 
 
-def _fault_time(sc: Scenario) -> float:
-    """Seconds the faults themselves add at most: stalls, and delays at every step."""
-    from mpipipe.core.faults import parse_all
-
-    n = int(sc.knobs["N"])
-    total = 0.0
-    for f in parse_all(sc.faults):
-        if f.kind == "stall":
-            total += f.seconds
-        elif f.kind == "delay":
-            total += n * f.p * f.seconds * 3
-        elif f.kind == "slow":
-            total += 30.0
-    return total
-
-
 def _final_state(ckpt: Path) -> list[Any]:
     """Every tensor of the final checkpoints, stage by stage, in order (a merged stage
     holds its neighbour's layers in the same order, so neighbour runs compare too)."""
@@ -239,7 +237,7 @@ def _stage_may_be_lost(sc: Scenario) -> bool:
     return any(set(holders) <= hit for holders in sc.facts["holders"].values())
 
 
-def judge(sc: Scenario, job: Job, ckpt: Path, ref_log: Path, ref_state: list[Any]) -> Verdict:
+def judge(sc: Scenario, job: Job, ckpt: Path, ref: _Reference) -> Verdict:
     """The verdict of one run, from its exit, output and log and the fault list alone."""
     run, verdict = chaos.first_verdict(job)
     if verdict is not None:
@@ -277,20 +275,18 @@ def judge(sc: Scenario, job: Job, ckpt: Path, ref_log: Path, ref_state: list[Any
     if any(x > r - 1 for x in lost):
         return Verdict("WRONG", f"a takeover lost {max(lost)} updates, more than R - 1 = {r - 1}")
     if sc.knobs["mode"] == "hot" or (sc.knobs["mode"] == "cold" and r == 1):
-        off = _compare(run, ckpt, ref_log, ref_state)
+        off = _compare(run, ckpt, ref)
         if off:
             return Verdict("WRONG", off)
         return Verdict("exact")
     return Verdict("bound")
 
 
-def _compare(run: Any, ckpt: Path, ref_log: Path, ref_state: list[Any]) -> str:
+def _compare(run: Any, ckpt: Path, ref: _Reference) -> str:
     """'' when the losses and final parameters equal the reference's to 1e-5."""
-    ref, why = chaos.read_log(ref_log)
-    if ref is None:
-        return f"reference log unreadable: {why}"
+    ref_state = ref.state
     a = [float(x) for x in run.steps["loss"]]
-    b = [float(x) for x in ref.steps["loss"]]
+    b = ref.losses
     worst = max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
     if worst > TOLERANCE:
         step = next(i + 1 for i, (x, y) in enumerate(zip(a, b, strict=True))

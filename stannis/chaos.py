@@ -115,9 +115,8 @@ class _Campaign:
         log = folder / f"run-{sc.index}.h5"
         argv = chaos.python_argv("stannis", config=self.config, sets=sc.sets, faults=sc.faults,
                                  log=log)
-        stalls = sum(float(p.split("=")[1]) for f in sc.faults for p in f.split(":")
-                     if p.startswith("seconds="))
-        timeout = self.args.timeout_factor * self.clean_s + stalls + 60.0
+        timeout = self.args.timeout_factor * self.clean_s + \
+            chaos.fault_time(sc.faults, int(sc.knobs["N"])) + 60.0
         job = chaos.run_job(sc.world, argv, log=log, timeout=timeout)
         return job, judge(sc, job)
 

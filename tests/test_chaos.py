@@ -108,10 +108,10 @@ def _job(tmp_path: Path, rc: int | None, stderr: str = "") -> Job:
 
 
 def test_verdicts_without_a_log(tmp_path):
-    from mpipipe.chaos import judge
+    from mpipipe.chaos import _Reference, judge
 
     sc = _scenario("cold", ["kill:stage=1:step=5"], HOLDERS)
-    args = (tmp_path, tmp_path / "ref.h5", [])
+    args = (tmp_path, _Reference([], []))
     assert judge(sc, _job(tmp_path, None), *args).name == "HANG"
     trace = "Traceback (most recent call last):\n  File \"x\", line 1\nRuntimeError: boom\n"
     crash = judge(sc, _job(tmp_path, 1, trace), *args)

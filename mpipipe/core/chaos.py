@@ -22,8 +22,6 @@ import random
 import re
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core.launch import kill_job, start_mpi
+from mpipipe.core.launch import JobTimeout, run_mpi
 
 __all__ = ["Scenario", "Job", "Verdict", "GOOD", "BAD", "add_chaos_arguments", "parse_budget",
-           "run_job", "campaign", "read_log", "first_verdict", "rows_once", "main"]
+           "run_job", "campaign", "read_log", "first_verdict", "rows_once", "fault_time", "main"]
 
 # What a run may end as. The good verdicts are those the docs promise; the bad ones are
 # defects: HANG (the outer time limit, or the progress watchdog, ended it), CRASH (a
@@ -44,8 +42,6 @@ __all__ = ["Scenario", "Job", "Verdict", "GOOD", "BAD", "add_chaos_arguments", "
 # the docs do not allow for this fault list).
 GOOD = ("exact", "bound", "completed", "refused", "lost-stage", "host-lost")
 BAD = ("HANG", "CRASH", "WRONG", "UNEXPECTED")
-
-STACKS_WAIT_S = 5.0
 
 
 @dataclass
@@ -144,29 +140,37 @@ def add_chaos_arguments(parser: argparse.ArgumentParser, *, runs: int) -> None:
 
 def run_job(world: int, argv: Sequence[str], *, log: Path, timeout: float,
             ulfm: bool = True) -> Job:
-    """Run ``python ARGV`` on ``world`` ranks; on the time limit, ask every rank for its
-    stack (SIGUSR2), then kill the job's whole session."""
-    out_path, err_path = log.with_suffix(".out"), log.with_suffix(".err")
+    """Run ``python ARGV`` on ``world`` ranks with :func:`mpipipe.core.launch.run_mpi`
+    (on the time limit every rank prints its stack, then the job's whole session is
+    killed); its output also goes beside the log (``.out``, ``.err``)."""
     start = time.monotonic()
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        job = start_mpi(world, list(argv), ulfm=ulfm, stdout=out, stderr=err,
-                        env={"MPIPIPE_PROGRESS": "lines"})
-        rc: int | None
-        try:
-            rc = job.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-            try:
-                job.send_signal(signal.SIGUSR2)
-                time.sleep(STACKS_WAIT_S)
-            except OSError:
-                pass
-        except BaseException:
-            kill_job(job)
-            raise
-        kill_job(job)  # also any rank left behind by an mpirun that has exited
-    return Job(rc, time.monotonic() - start, out_path.read_text(errors="replace"),
-               err_path.read_text(errors="replace"), log)
+    rc: int | None
+    try:
+        done = run_mpi(world, list(argv), ulfm=ulfm, timeout=timeout,
+                       env={"MPIPIPE_PROGRESS": "lines"})
+        rc, out, err = done.returncode, done.stdout, done.stderr
+    except JobTimeout as e:
+        rc, out, err = None, e.stdout or "", e.stderr or ""
+    out, err = (t.decode(errors="replace") if isinstance(t, bytes) else t for t in (out, err))
+    log.with_suffix(".out").write_text(out)
+    log.with_suffix(".err").write_text(err)
+    return Job(rc, time.monotonic() - start, out, err, log)
+
+
+def fault_time(faults: Sequence[str], steps: int) -> float:
+    """Seconds the faults themselves may add to a run, for its time limit: each stall,
+    a delay's expected sleeps three times over, and 30 s for a slow-down."""
+    from mpipipe.core.faults import parse_all
+
+    total = 0.0
+    for f in parse_all(faults):
+        if f.kind in ("stall", "partition"):
+            total += f.seconds
+        elif f.kind == "delay":
+            total += steps * f.p * f.seconds * 3
+        elif f.kind == "slow":
+            total += 30.0
+    return total
 
 
 def read_log(path: Path) -> tuple[Any | None, str]:

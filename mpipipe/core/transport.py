@@ -214,6 +214,8 @@ class Transport:
         """
         start = time.perf_counter()
         due = HOOK_EVERY_S
+        if self._pending:
+            watchdog.waiting((self._pending[0][2], "", 0, 0))
         try:
             while self._pending:
                 self._complete_sends()
@@ -223,7 +225,6 @@ class Transport:
                 if deadline is not None and waited > deadline:
                     dest = self._pending[0][2]
                     raise Late(dest, waited)
-                watchdog.waiting((self._pending[0][2], "", 0, 0))
                 due = _hook(waited, due)
                 pause(waited)
         finally:

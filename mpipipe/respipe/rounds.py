@@ -181,13 +181,17 @@ class Rounds:
         grace = min(max(self._deadline(), 0.5), 5.0)
         quick = min(grace, max(self._median_step() / 2, QUICK_GRACE_S))
         decision = None
+        told: list[int] | None = None  # the silent ranks the watchdog was last told of
         while decision is None:
             self.stopper.check(boundary=False)  # a data error is no member's failure
             if self._demoted():
                 raise Demoted(self.gen + 1)
             silent = self._collect(heard, dead)
-            watchdog.waiting(f"in a round of generation {self.gen} (step {self.done + 1}), "
-                             f"waiting to hear from ranks {silent or 'none'} and for a decision")
+            if silent != told:
+                told = silent
+                watchdog.waiting(f"in a round of generation {self.gen} (step {self.done + 1}), "
+                                 f"waiting to hear from ranks {silent or 'none'} and for a "
+                                 "decision")
             waited = time.perf_counter() - start
             coordinator = min(heard)
             late = {m.suspect for m in heard.values() if m.reason == "late"}
