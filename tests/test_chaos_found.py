@@ -119,3 +119,15 @@ def test_a_hot_backup_killed_mid_step_costs_no_healthy_stage_its_result(runs):
     run = _exact(runs, "hot-backup-kill", 'resilience.mode="hot"',
                  "resilience.deadline_factor=2", "inject:kill:rank=5:step=20:micro=0")
     assert 5 in [e["rank"] for e in run.events_of("failure_detected")]
+
+
+@pytest.mark.timeout(600)
+def test_a_new_writer_killed_while_the_stalled_old_one_holds_the_log_loses_no_row(runs):
+    # Seed 2 #9: the writer (stage 0) stalls and is replaced alive, still holding the
+    # file; its successor (stage 1) queues rows, and is killed before the file frees
+    # up. Its rows were lost ("incomplete"); they now wait in a journal beside the log,
+    # which the next writer writes first.
+    run = _exact(runs, "stalled-writer-then-kill", "resilience.deadline_s=1.5",
+                 "inject:stall:stage=0:step=5:seconds=4", "inject:kill:stage=1:step=8")
+    assert len(run.events_of("log_writer_moved")) >= 2
+    assert not list(Path(run.path).parent.glob("*.jsonl"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import h5py
@@ -278,6 +279,72 @@ def test_a_new_writer_waits_for_a_replaced_one_and_keeps_each_records_time(tmp_p
     tail = open_log(tmp_path / "run.tail.h5")
     assert tail.attrs["status"] == "completed" and tail.attrs["continues"] == str(path)
     assert [e["kind"] for e in tail.events] == ["checkpoint"]
+
+
+_WAITING_WRITER = """
+import sys, time
+from mpipipe.core.runlog import RunLog
+log = RunLog.null(sys.argv[1], float(sys.argv[2]))
+log.take_over(order=1)  # the file is held: its records wait
+log.event("log_writer_moved", step=2, rank=1, previous=0)
+for s in (2, 3):
+    log.step(s, loss=float(s), samples=4, samples_per_s=1.0, ranks={1: {"compute_s": 0.5}})
+assert log._file is None
+print("waiting", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_records_of_a_new_writer_killed_while_it_waited_for_the_file_are_not_lost(tmp_path):
+    # Chaos seed 2 #9: the writer stalled and was replaced alive (it held the file); its
+    # successor queued rows, and was killed before the file freed up: the rows were lost.
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "run.h5"
+    writer = RunLog(path, system="mpipipe", config={}, comm_size=3)
+    writer.step(1, loss=1.0, samples=4, samples_per_s=1.0)
+    writer.release()
+    holder = _hold(path)  # the stalled first writer
+    try:
+        waiting = subprocess.Popen([sys.executable, "-c", _WAITING_WRITER, str(path), repr(writer.start)],
+                                   stdout=subprocess.PIPE, text=True)
+        assert waiting.stdout.readline().strip() == "waiting"
+        waiting.send_signal(signal.SIGKILL)  # a real kill: no release, no spill
+        waiting.wait(20)
+        third = RunLog.null(path, writer.start)
+        third.take_over(order=2)
+        third.step(3, loss=3.0, samples=4, samples_per_s=1.0)  # rebuilt: also in the journal
+        third.step(4, loss=4.0, samples=4, samples_per_s=1.0)
+        holder.stdin.close()
+        assert third.close("completed", wait_s=20) == "completed"
+    finally:
+        holder.kill()
+        holder.wait()
+    run = open_log(path)
+    assert list(run.steps["step"]) == [1, 2, 3, 4]
+    assert list(run.steps["loss"]) == [1.0, 2.0, 3.0, 4.0]
+    assert run.ranks[1]["compute_s"].tolist() == [0.5, 0.5]
+    assert run.events_of("log_writer_moved")[0]["detail"] == {"previous": 0}
+    assert not list(tmp_path.glob("*.jsonl"))  # written, then removed
+
+
+def test_a_journal_of_another_run_or_cut_by_a_kill_is_read_safely(tmp_path):
+    path = tmp_path / "run.h5"
+    writer = RunLog(path, system="mpipipe", config={}, comm_size=2)
+    writer.release()
+    foreign = tmp_path / "run.queue-000001-x-1.jsonl"
+    foreign.write_text('{"start_unix": 1.0}\n{"m": "_event", "a": ["checkpoint"], "k": {"step": 0}}\n')
+    cut = tmp_path / "run.queue-000002-x-2.jsonl"
+    cut.write_text(json.dumps({"start_unix": writer.start}) + '\n{"m": "_event", "a": ["resume"], '
+                   '"k": {"step": 1}}\n{"m": "_ev')
+    survivor = RunLog.null(path, writer.start)
+    survivor.take_over()
+    survivor.close("completed")
+    assert [e["kind"] for e in open_log(path).events] == ["resume"]
+    assert foreign.exists() and not cut.exists()  # another run's journal is not ours to remove
 
 
 def test_a_new_writer_opens_only_once_the_old_one_says_it_let_go(tmp_path):

@@ -12,7 +12,9 @@ knows the file and the run's start, so that a survivor can :meth:`RunLog.take_ov
 when the writer dies or is replaced (ResPipe). HDF5's file lock keeps the
 two from writing at once: a replaced writer that is still alive keeps the lock
 until it releases it (:meth:`RunLog.release`) or exits, and the new one holds its
-records until then.
+records until then. Those records also go, one JSON line each, to a journal beside the
+log (``<log>.queue-*.jsonl``), so that a new writer killed before the file freed up does
+not take them along: the next one that opens the file writes them first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import platform
 import socket
 import sys
@@ -169,6 +172,7 @@ def _record(method: _Method) -> _Method:
             elif takes_time and kwargs.get("time") is None:
                 kwargs = {**kwargs, "time": now}
             self._queue.append((method, args, kwargs))
+            self._journal_add(method.__name__, args, kwargs)
 
     return write  # type: ignore[return-value]
 
@@ -197,6 +201,7 @@ class RunLog:
     _expected: range | None = None  # the step rows close() checks for
     _continued: dict[str, Any] | None = None  # a resumed run's log, not opened yet
     _open_tables: _Tables | None = None  # the datasets of the file open now
+    _journal: Any = None  # taken over, not open: the waiting records' file (a text file)
 
     def __init__(
         self,
@@ -319,7 +324,7 @@ class RunLog:
         """Whether this rank is the writer (its records reach the file, now or later)."""
         return self._file is not None or self._queue is not None or self._continued is not None
 
-    def take_over(self, ready: Callable[[], bool] | None = None) -> None:
+    def take_over(self, ready: Callable[[], bool] | None = None, order: int = 0) -> None:
         """Make this rank the writer of the log that rank 0 created.
 
         Opens the file for appending once ``ready()`` says the previous writer has let
@@ -327,7 +332,8 @@ class RunLog:
         that; records wait in order, with their own times, until then. Why both: HDF5's
         lock is off on many parallel file systems (HDF5_USE_FILE_LOCKING=FALSE), and a
         replaced writer still holding the file open would overwrite our rows when it
-        closes.
+        closes. ``order`` ranks this hand-over among the run's others (ResPipe: the
+        generation): journals of earlier writers are written in that order.
 
         Raises:
             LogError: this log does not know its file, or the file is not a run log.
@@ -338,16 +344,81 @@ class RunLog:
             raise LogError("this rank's log does not know the run's file; cannot take it over")
         self._queue, self._ready = [], ready
         self._next_open = 0.0
+        self._journal = self._open_journal(order)
         self._try_open()
+
+    def _journals(self) -> list[Path]:
+        """The journals of this log's earlier waiting writers, oldest hand-over first."""
+        return sorted(self.path.parent.glob(f"{self.path.stem}.queue-*.jsonl"))
+
+    def _open_journal(self, order: int) -> Any:
+        """Start this writer's journal (None, with one warning, where it cannot be made)."""
+        name = f"{self.path.stem}.queue-{order:06d}-{socket.gethostname()}-{os.getpid()}.jsonl"
+        try:
+            journal = open(self.path.with_name(name), "w", encoding="utf-8")  # noqa: SIM115
+            journal.write(json.dumps({"start_unix": self._t0}) + "\n")
+            journal.flush()
+        except OSError as e:
+            print(f"mpipipe: warning: {self.path}: records waiting for the file are kept in "
+                  f"memory only ({e})", file=sys.stderr, flush=True)
+            return None
+        return journal
+
+    def _journal_add(self, name: str, args: tuple, kwargs: dict) -> None:
+        """One waiting record, written through to the journal (a kill loses none)."""
+        if self._journal is None:
+            return
+        try:
+            self._journal.write(json.dumps({"m": name, "a": args, "k": kwargs},
+                                           default=_jsonable) + "\n")
+            self._journal.flush()
+        except OSError as e:
+            print(f"mpipipe: warning: {self._journal.name}: cannot write ({e}); records "
+                  f"waiting for the log are kept in memory only", file=sys.stderr, flush=True)
+            self._drop_journal(keep=True)
+
+    def _drop_journal(self, keep: bool = False) -> None:
+        """Close this writer's journal; remove it unless ``keep`` (left for the next writer)."""
+        journal, self._journal = self._journal, None
+        if journal is not None:
+            journal.close()
+            if not keep:
+                Path(journal.name).unlink(missing_ok=True)
+
+    def _replay_journals(self) -> None:
+        """Write the records of earlier writers that waited for the file and left the job
+        before it freed up (killed, or replaced and let go), then remove their journals.
+        A journal of another run (its start differs) is left alone; a line cut by a kill
+        ends its journal."""
+        own = None if self._journal is None else Path(self._journal.name)
+        for path in self._journals():
+            if path == own:
+                continue
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+                if not lines or json.loads(lines[0]).get("start_unix") != self._t0:
+                    continue
+            except (OSError, ValueError, AttributeError):
+                continue
+            for line in lines[1:]:
+                try:
+                    rec = json.loads(line)
+                    method = getattr(RunLog, rec["m"])
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    break
+                method(self, *rec["a"], **rec["k"])
+            path.unlink(missing_ok=True)
 
     def release(self) -> None:
         """Close the file without marking the run finished: another rank writes it now.
 
-        Records still waiting for the file (it never opened) go to a side file."""
+        Records still waiting for the file (it never opened) stay in this writer's
+        journal, which the next writer writes first (a side file if there is none)."""
         if self._file is not None:
             self._file.close()
-        elif self._queue:
+        elif self._queue and self._journal is None:
             self._spill("released: another rank writes the run log now", "running")
+        self._drop_journal(keep=bool(self._queue))  # the next writer writes its records
         self._file, self._queue, self._continued = None, None, None
 
     def _try_open(self, wait_s: float = 0.0) -> bool:
@@ -385,14 +456,18 @@ class RunLog:
         # Rows of steps the previous writer got to write are kept once (its, not ours).
         self._written_through = _last_step(self._file)
         queue, self._queue = self._queue or [], None
+        self._replay_journals()
         for method, args, kwargs in queue:
             method(self, *args, **kwargs)
+        self._drop_journal()
         return True
 
     def _cannot(self, why: str, status: str = "running") -> LogError:
         """Give up on the file: spill what waited, stop writing, and say where it went."""
-        spilled = self._spill(why, status) if self._queue or status != "running" else None
+        waiting = bool(self._queue)
+        spilled = self._spill(why, status) if waiting or status != "running" else None
         self._queue = None
+        self._drop_journal(keep=waiting and spilled is None)
         where = f"; {len(spilled[1])} waiting records are in {spilled[0]}" if spilled else ""
         return LogError(f"{self.path}: {why}{where}")
 
@@ -478,6 +553,8 @@ class RunLog:
             rows = [r for r in rows if int(r["step"]) > self._written_through]
         if not rows:
             return
+        if self._written_through is not None:  # a row replayed twice (journal, rebuilt) once
+            self._written_through = max(self._written_through, *(int(r["step"]) for r in rows))
         assert self._file is not None
         now = self.elapsed()
         tables = self._tables()

@@ -303,7 +303,7 @@ class Logbook:
                     (self.ulfm and old in ft.failed_ranks(self.lobby.comm))
 
             try:
-                self.log.take_over(None if old_writer_dead else let_go)
+                self.log.take_over(None if old_writer_dead else let_go, order=d.gen)
             except LogError as e:  # the file was replaced or lost: train on, and say so
                 print(f"mpipipe train: error: rank {self.wrank} cannot take the run log over: "
                       f"{e}; training goes on without a log", file=sys.stderr, flush=True)
