@@ -99,7 +99,8 @@ def cost_main(args: Any) -> int:
                           "rows": rows}))
         return 0
     chunks = f" of {len(balance) // k} chunks each" if len(balance) > k else ""
-    print(f"{cfg['model']['name']} in {k} stages{chunks}, balance {balance}{note}; batch {batch}; "
+    model = cfg["model"]["factory"] or cfg["model"]["name"]
+    print(f"{model} in {k} stages{chunks}, balance {balance}{note}; batch {batch}; "
           f"backups {backups}{assumed}")
     print(format_table(rows))
     print("bytes are payload per optimizer step, all ranks together; 'max lost updates' is "

@@ -17,19 +17,19 @@ from mpipipe.core.transport import pause
 from .config import BUCKET_BYTES, EXCHANGES
 
 
-def broadcast_state(comm: Any, params: Sequence[torch.nn.Parameter],
-                    optimizer: torch.optim.Optimizer, optim: str, momentum: float,
+def broadcast_state(comm: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     steps_taken: int, root: int = 0) -> None:
-    """Give every rank ``root``'s parameters and optimizer state, in one buffer ``Bcast``.
+    """Give every rank ``root``'s whole model state (parameters and buffers) and optimizer
+    state, in one buffer ``Bcast`` (:func:`mpipipe.core.statecodec.pack_state`).
 
     Why the optimizer state too: after a CSD is dropped the survivors restart from
     the host's state; with its momentum (or Adam moments) they continue the same
     trajectory instead of restarting the average from zero. ``steps_taken`` = 0
     means no optimizer step yet: the state is then empty everywhere.
     """
-    flat = pack_state(params, optimizer, optim, momentum).contiguous()
-    comm.Bcast([flat.numpy(), MPI.FLOAT], root=root)
-    unpack_state(flat, params, optimizer, optim, momentum, steps_taken)
+    flat = pack_state(module, optimizer)
+    comm.Bcast([flat.numpy(), MPI.BYTE], root=root)
+    unpack_state(flat, module, optimizer, steps_taken)
 
 
 # Tags of the star exchange, one per direction: messages between two ranks with one tag

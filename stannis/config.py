@@ -8,6 +8,7 @@ from typing import Any
 
 from mpipipe.core.faults import FaultError, parse_all
 from mpipipe.core.lr import SCHEDULES
+from mpipipe.core.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS
 from mpipipe.core.roles import LaunchPlan, PlanError, Role, RoleKind, register_role_kind
 
 from .csd import CsdProfile
@@ -43,15 +44,11 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "path": "data/stannis-digits",  # holds public/{train,test} and csd<k>/ (stannis prepare)
         "public_to_csds": 0.0,  # share of the public train set also stored on (split over) CSDs
     },
-    "model": {"name": "lenet", "num_classes": 10},
+    "model": dict(MODEL_DEFAULTS),
     "optim": {
-        "name": "sgd",  # sgd | adam
-        "lr": 0.05,  # learning rate at optim.base_batch; scaled linearly with the global batch
+        **OPTIM_DEFAULTS,  # lr is the rate at optim.base_batch, scaled linearly with the global batch
         "base_batch": 64,
-        "warmup_steps": 10,  # linear warm-up to the scaled rate
-        "schedule": "constant",  # constant | cosine (towards 0 over the run's steps)
-        "momentum": 0.9,
-        "weight_decay": 0.0,
+        "warmup_steps": 10,  # linear warm-up to the scaled rate (not with optim.scheduler)
     },
     "stannis": {
         "csds": 4,  # N: CSD ranks (the world has 1 + N ranks)
@@ -101,7 +98,6 @@ EXCHANGES = ("host", "allreduce")  # WeightedAllreduce's routes (stannis.exchang
 
 STANNIS_CHOICES: dict[str, tuple[str, ...]] = {
     "model.name": ("lenet", "vgg", "resnet"),
-    "optim.name": ("sgd", "adam"),
     "optim.schedule": SCHEDULES,
     "stannis.objective": OBJECTIVES,
     "stannis.exchange": EXCHANGES,

@@ -15,13 +15,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpipipe.core import ft, stop, watchdog
+from mpipipe.core import ft, recipe, stop, watchdog
 from mpipipe.core.cli import Run, start_run
 from mpipipe.core.data import DataFault, label_range_ok, test_batches
 from mpipipe.core.faults import FaultPlan, parse_all
 from mpipipe.core.logschema import EventKind
 from mpipipe.core.lr import decay, set_lr
-from mpipipe.core.models import build_model
 from mpipipe.core.runlog import LogError
 
 from .allreduce import WeightedAllreduce, broadcast_state
@@ -144,17 +143,14 @@ class Trainer:
         self.comm.take()  # start-up traffic is not a training step's
 
         in_shape = self._in_shape()
-        self.model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], in_shape)
-        self.model.float()
-        o = cfg["optim"]
-        if o["name"] == "sgd":
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=o["lr"],
-                                             momentum=o["momentum"],
-                                             weight_decay=o["weight_decay"])
-        else:
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=o["lr"],
-                                              weight_decay=o["weight_decay"])
-        self.loss_fn = torch.nn.CrossEntropyLoss()
+        try:  # every rank seeded alike above: the same weights (checked in _sync_from_host)
+            self.model = recipe.build_model(cfg, in_shape)
+            self.model.float()
+            self.optimizer = recipe.make_optimizer(cfg, self.model.parameters())
+            self.loss_fn = recipe.make_loss(cfg)
+            self.schedule = recipe.Schedule(cfg, int(cfg["run"]["steps"])) if cfg["optim"]["scheduler"] else None
+        except recipe.RecipeError as e:
+            run.fail(e)
         self.reducer = WeightedAllreduce(self.comm, self.model.parameters(),
                                          cfg["stannis"]["bucket_bytes"], exchange=cfg["stannis"]["exchange"],
                                          root=0)  # the host: rank 0, before and after a shrink
@@ -260,9 +256,7 @@ class Trainer:
     def _sync_from_host(self) -> None:
         """Every rank starts (and restarts after a failure) from the host's parameters
         and optimizer state."""
-        o = self.cfg["optim"]
-        broadcast_state(self.comm, list(self.model.parameters()), self.optimizer, o["name"],
-                        float(o["momentum"]) if o["name"] == "sgd" else 0.0, self.step)
+        broadcast_state(self.comm, self.model, self.optimizer, self.step)
 
     def _fault_logger(self, rank: int):
         def log(fault: Any, step: int, detail: dict) -> None:
@@ -629,8 +623,11 @@ class Trainer:
         if halt is not None:
             raise halt  # before this step's update: the run ends with `index` steps done
         self._cycle = time.perf_counter()
-        lr = scaled_lr(o["lr"], o["base_batch"], int(total), index, o["warmup_steps"])
-        set_lr(self.optimizer, lr * decay(index, steps, o["schedule"]))
+        if self.schedule is not None:  # the user's scheduler owns the rate
+            self.schedule.apply(self.optimizer, index)
+        else:
+            lr = scaled_lr(o["lr"], o["base_batch"], int(total), index, o["warmup_steps"])
+            set_lr(self.optimizer, lr * decay(index, steps, o["schedule"]))
         self.optimizer.step()
         joules = self.meter.stop(compute_s)
         sent, recv = self.comm.take()  # this step's gradients and figures, and any plan

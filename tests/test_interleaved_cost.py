@@ -10,6 +10,10 @@ from mpipipe.pipeline.partition import StageChunks, split, stage_modules
 from mpipipe.respipe import costmodel
 
 
+def _SGD(params):  # noqa: N802 - the optimizer each stage builds
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
 def _lenet():
     torch.manual_seed(0)
     return build_model("lenet", 10, (1, 8, 8))
@@ -18,13 +22,13 @@ def _lenet():
 def test_stage_shapes_group_chunks_by_rank_and_count_every_boundary():
     model = _lenet()
     chunks = split(model, [2] * 6)
-    flat, in_bytes = costmodel.stage_shapes(chunks, (1, 8, 8), "sgd", 0.9)  # 6 stages
-    grouped, same_in = costmodel.stage_shapes(chunks, (1, 8, 8), "sgd", 0.9, stages=3)
+    flat, in_bytes = costmodel.stage_shapes(chunks, (1, 8, 8), _SGD)  # 6 stages
+    grouped, same_in = costmodel.stage_shapes(chunks, (1, 8, 8), _SGD, stages=3)
     assert in_bytes == same_in == 8 * 8 * 4
     # a pipeline's stage modules (StageChunks) give the same figures as the chunks
     modules = stage_modules(chunks, 3)
     assert all(isinstance(m, StageChunks) for m in modules)
-    assert costmodel.stage_shapes(modules, (1, 8, 8), "sgd", 0.9)[0] == grouped
+    assert costmodel.stage_shapes(modules, (1, 8, 8), _SGD)[0] == grouped
     for s in range(3):
         assert grouped[s].chunk_acts == (flat[s].act_out, flat[s + 3].act_out)
         assert grouped[s].params == flat[s].params + flat[s + 3].params
@@ -38,8 +42,8 @@ def test_stage_shapes_group_chunks_by_rank_and_count_every_boundary():
 
 def test_link_bytes_of_interleaved_wrap_from_the_last_rank_to_the_first():
     chunks = split(_lenet(), [3] * 4)
-    flat, _ = costmodel.stage_shapes(chunks, (1, 8, 8), "sgd", 0.9)
-    grouped, _ = costmodel.stage_shapes(chunks, (1, 8, 8), "sgd", 0.9, stages=2)
+    flat, _ = costmodel.stage_shapes(chunks, (1, 8, 8), _SGD)
+    grouped, _ = costmodel.stage_shapes(chunks, (1, 8, 8), _SGD, stages=2)
     batch = 16
     links = costmodel.predict(grouped, batch_size=batch, backups={1: 1}, label_bytes=8).links
     a = [batch * s.act_out for s in flat]  # chunk c -> c + 1 (rank c % 2 -> (c + 1) % 2)

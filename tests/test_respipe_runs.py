@@ -55,6 +55,7 @@ def _params(ckpt: Path) -> list[dict[str, torch.Tensor]]:
 def _predicted(log_path: Path):
     """The cost model of this run's cut (a ``Cost``), recomputed here from its config."""
     from mpipipe.core.models import build_model
+    from mpipipe.core.recipe import make_optimizer
     from mpipipe.pipeline.partition import split
     from mpipipe.pipeline.plan import backup_counts
     from mpipipe.respipe import costmodel
@@ -64,8 +65,8 @@ def _predicted(log_path: Path):
     balance = [int(b) for b in str(run.attrs["balance"]).strip("[]").split(",")]
     model = build_model("lenet", 10, (1, 8, 8))
     # (interleaved: 6 chunks, stage k holds k and k + 3)
-    shapes, in_bytes = costmodel.stage_shapes(split(model, balance), (1, 8, 8), "sgd", 0.9,
-                                              stages=3)
+    shapes, in_bytes = costmodel.stage_shapes(split(model, balance), (1, 8, 8),
+                                              lambda p: make_optimizer(cfg, p), stages=3)
     res = cfg["resilience"]
     # neighbour mode protects every stage (the next one holds its replica)
     backups = dict.fromkeys(range(3), 1) if res["mode"] == "neighbour" \

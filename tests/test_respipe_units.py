@@ -7,6 +7,7 @@ tests/test_respipe_decide.py and tests/test_respipe_messages.py.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mpipipe.core import faults as inject
 from mpipipe.core import ft
@@ -203,12 +204,18 @@ def test_bad_arguments_are_named():
         costmodel.predict(STAGES, batch_size=8, backups={7: 1})
 
 
-def test_state_bytes():
-    assert costmodel.state_bytes(100, 2, "sgd", momentum=0.9) == 100
-    assert costmodel.state_bytes(100, 2, "sgd", momentum=0.0) == 0
-    assert costmodel.state_bytes(100, 2, "adam") == 208
-    with pytest.raises(ValueError, match="rmsprop"):
-        costmodel.state_bytes(100, 2, "rmsprop")
+def test_a_replica_is_the_whole_state_byte_for_byte():
+    # parameters 60 floats (2 tensors) + BatchNorm's mean, var (2 x 10 floats) and count
+    # (int64); momentum one float per parameter; Adam two, and a float32 step per tensor
+    from torch import nn
+
+    from mpipipe.core.statecodec import state_nbytes
+
+    m = nn.Sequential(nn.Linear(5, 10), nn.BatchNorm1d(10))
+    params, bn = 4 * (50 + 10 + 10 + 10), 4 * 20 + 8
+    assert state_nbytes(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) == 2 * params + bn
+    assert state_nbytes(m, torch.optim.SGD(m.parameters(), lr=0.1)) == params + bn
+    assert state_nbytes(m, torch.optim.Adam(m.parameters())) == 3 * params + 4 * 4 + bn
 
 
 def test_trade_off_table_over_r():
@@ -250,36 +257,67 @@ def test_cost_command_prints_the_trade_off_over_r(capsys):
     assert "--modes" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("optim", ["sgd", "adam"])
-def test_replica_round_trip_restores_parameters_and_optimizer_state(optim):
-    import torch
+_OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=0.01),
+}
 
-    from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("optim", sorted(_OPTIMIZERS))
+def test_replica_round_trip_restores_the_whole_state(optim, dtype):
+    # Any optimizer, BatchNorm's buffers (an int64 counter among them), any dtype: a copy
+    # loaded from a replica continues bit for bit like the original, buffers included.
+    from torch import nn
+
+    from mpipipe.core.statecodec import pack_state, state_nbytes, unpack_state
 
     def model_and_opt(seed):
         torch.manual_seed(seed)
-        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
-        o = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if optim == "sgd"
-             else torch.optim.Adam(m.parameters(), lr=0.01))
-        return m, o
+        m = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2)).to(dtype)
+        return m, _OPTIMIZERS[optim](m.parameters())
 
     def train(m, o, steps):
         for i in range(steps):
             torch.manual_seed(100 + i)
             o.zero_grad()
-            m(torch.randn(5, 4)).square().sum().backward()
+            m(torch.randn(5, 4, dtype=dtype)).float().square().sum().backward()
             o.step()
 
     src, src_opt = model_and_opt(0)
     train(src, src_opt, 3)
-    flat = pack_state(list(src.parameters()), src_opt, optim, 0.9)
-    assert flat.numel() == replica_numel(list(src.parameters()), optim, 0.9)
+    flat = pack_state(src, src_opt)
+    assert flat.dtype == torch.uint8 and flat.numel() == state_nbytes(src, src_opt)
     dst, dst_opt = model_and_opt(1)  # different weights, no state yet
-    unpack_state(flat, list(dst.parameters()), dst_opt, optim, 0.9, count=3)
+    unpack_state(flat, dst, dst_opt, count=3)
     train(src, src_opt, 2)
     train(dst, dst_opt, 2)  # the copy continues exactly like the original
-    for a, b in zip(src.parameters(), dst.parameters(), strict=True):
-        assert torch.equal(a, b)
+    want, got = src.state_dict(), dst.state_dict()
+    assert list(want) == list(got)
+    for k in want:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+    assert src.state_dict()["1.num_batches_tracked"].item() == 5
+
+
+def test_a_replica_of_step_0_leaves_the_optimizer_without_state():
+    from torch import nn
+
+    from mpipipe.core.statecodec import StateError, pack_state, unpack_state
+
+    m = nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    unpack_state(pack_state(m, opt), m, opt, count=0)
+    assert not opt.state
+    with pytest.raises(StateError, match="does not fit"):
+        unpack_state(torch.zeros(3, dtype=torch.uint8), m, opt)
+    with pytest.raises(StateError, match="closure"):
+        pack_state(m, torch.optim.LBFGS(m.parameters()))
 
 
 def test_batch_cache_jumps_to_a_far_step_and_matches_reading_through(digits) -> None:

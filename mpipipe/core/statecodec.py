@@ -1,98 +1,213 @@
-"""A stage's replica: its parameters and optimizer state as one flat float32 tensor.
+"""A stage's whole state as one flat byte buffer: its module's ``state_dict()`` (parameters
+and persistent buffers, such as BatchNorm's running statistics) and its optimizer's
+per-parameter state (any optimizer: momentum, Adam's moments, step counters).
 
-Why one flat tensor: a replica travels as a single buffer message (no pickling,
-and its size is what the cost model predicts), and a snapshot for rollback is
-one copy.
+Why one flat buffer: a replica travels as a single MPI message (no pickling on the hot
+path, and its size is what the cost model predicts), and a snapshot for rollback is one
+copy. Why a layout computed once per module: the optimizer's state exists only after its
+first step, yet a backup that never stepped must know the size of the replica it receives;
+the layout comes from one step of a throwaway copy of the optimizer. Segments are ordered
+by element size (8-byte dtypes first), so every segment is aligned for its dtype without
+padding and the byte count is the sum of the tensors' bytes, whatever their grouping.
+
+The learning-rate schedule is not part of this state: it is a pure function of the step
+(:mod:`mpipipe.core.recipe`), and so is a stage's random stream (Dropout), seeded per
+micro-batch by the pipeline engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import copy
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where used: the cost command and the report never need it
     import torch
+    from torch import nn
 
-__all__ = ["state_bytes", "replica_numel", "pack_state", "unpack_state"]
+__all__ = ["StateError", "StateLayout", "layout_of", "pack_state", "unpack_state", "state_nbytes"]
 
 
-def state_bytes(param_bytes: int, n_tensors: int, optim: str, momentum: float = 0.0) -> int:
-    """Bytes of optimizer state a replica carries (the layout :func:`pack_state` writes).
+class StateError(ValueError):
+    """A stage's state cannot be carried (an optimizer state of an unknown kind)."""
 
-    SGD with momentum keeps one buffer per parameter, SGD without none; Adam
-    keeps two moments per parameter and one float32 step count per tensor.
 
-    Raises:
-        ValueError: an optimizer the replicas do not know how to carry.
+@dataclass(frozen=True)
+class _Segment:
+    offset: int
+    nbytes: int
+    dtype: Any  # torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class StateLayout:
+    """Where each tensor of a module's state and of its optimizer's state lies in the buffer.
+
+    ``module`` maps a ``state_dict`` entry to its segment (the live tensors are kept in
+    ``tensors``, in the same order); ``optim[i]`` maps each state key of the module's i-th
+    parameter to its segment, or to ``("py", type)`` for a Python number (8 bytes,
+    float64) or ``("none", None)`` for a key whose value is None.
     """
-    if optim == "sgd":
-        return param_bytes if momentum else 0
-    if optim == "adam":
-        return 2 * param_bytes + 4 * n_tensors
-    raise ValueError(f"optimizer {optim!r}: replicas know sgd and adam")
+
+    names: list[str]
+    tensors: list[Any]
+    module: list[_Segment]
+    params: list[Any]
+    optim: list[dict[str, tuple[str, Any]]]
+    nbytes: int
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the parameters alone (the rest is buffers and optimizer state)."""
+        return sum(p.numel() * p.element_size() for p in self.params)
 
 
-def _state_keys(optim: str) -> tuple[str, ...]:
-    return {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}[optim]
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def replica_numel(params: Sequence[torch.Tensor], optim: str, momentum: float = 0.0) -> int:
-    """Number of float32 values in a replica of ``params`` and their optimizer state."""
-    n = sum(p.numel() for p in params)
-    return n + state_bytes(4 * n, len(params), optim, momentum) // 4
-
-
-def pack_state(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, optim: str,
-               momentum: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Parameters then optimizer state, as one flat float32 tensor (one message, no pickling)."""
+def _optimizer_template(module: nn.Module, optimizer: Any) -> list[dict[str, Any]]:
+    """The state one step of ``optimizer`` gives each parameter of ``module``, found on a
+    deep copy (the optimizer and the module are left as they were)."""
     import torch
 
-    numel = replica_numel(params, optim, momentum)
-    flat = out if out is not None else torch.empty(numel, dtype=torch.float32)
-    pos = 0
+    params = list(dict.fromkeys(module.parameters()))
+    if optimizer is None:
+        return [{} for _ in params]
+    memo: dict[int, Any] = {}
+    clone = copy.deepcopy(optimizer, memo)
+    copies = [memo.get(id(p)) for p in params]
+    if any(c is None for c in copies):
+        raise StateError(f"{type(optimizer).__name__} does not hold every parameter of the "
+                         f"stage; build the optimizer on the stage's own parameters")
+    for c in copies:
+        c.grad = torch.zeros_like(c)
+    try:
+        clone.step()
+    except TypeError as e:
+        raise StateError(f"optimizer {type(optimizer).__name__}: one step without arguments "
+                         f"failed ({e}); optimizers that need a closure (LBFGS) are not "
+                         f"supported") from None
+    return [dict(clone.state.get(c, {})) for c in copies]
+
+
+def layout_of(module: nn.Module, optimizer: Any = None) -> StateLayout:
+    """The layout of ``module``'s state and ``optimizer``'s (cached per module and
+    optimizer class: both are fixed once a stage is built).
+
+    Raises:
+        StateError: an optimizer state value that is neither a tensor, a number nor None.
+    """
+    import torch
+
+    key = (type(optimizer).__name__, repr(getattr(optimizer, "defaults", None)))
+    cached = _LAYOUTS.get(module, {}).get(key)
+    if cached is not None:
+        return cached
+    state = module.state_dict(keep_vars=True)
+    names = list(state)
+    tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for t in state.values()]
+    params = list(dict.fromkeys(module.parameters()))
+    template = _optimizer_template(module, optimizer)
+    # (element size, order) -> segment: the largest elements first, no padding needed
+    wanted: list[tuple[int, int, str, Any, Any, tuple[int, ...]]] = []
+    optim: list[dict[str, tuple[str, Any]]] = []
+    for i, t in enumerate(tensors):
+        wanted.append((-t.element_size(), len(wanted), "m", i, t.dtype, tuple(t.shape)))
+    for i, st in enumerate(template):
+        kinds: dict[str, tuple[str, Any]] = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                wanted.append((-v.element_size(), len(wanted), "o", (i, k), v.dtype, tuple(v.shape)))
+                kinds[k] = ("tensor", None)
+            elif isinstance(v, bool) or v is None:
+                kinds[k] = ("none", v) if v is None else ("const", v)
+            elif isinstance(v, int | float):
+                wanted.append((-8, len(wanted), "o", (i, k), torch.float64, ()))
+                kinds[k] = ("py", type(v))
+            else:
+                raise StateError(f"{type(optimizer).__name__} keeps {k!r} of type "
+                                 f"{type(v).__name__} per parameter; a replica carries "
+                                 f"tensors, numbers and None only")
+        optim.append(kinds)
+    module_segs: list[_Segment | None] = [None] * len(tensors)
+    offset = 0
+    for neg_size, _, where, idx, dtype, shape in sorted(wanted):
+        n = 1
+        for d in shape:
+            n *= d
+        seg = _Segment(offset, n * -neg_size, dtype, shape)
+        offset += seg.nbytes
+        if where == "m":
+            module_segs[idx] = seg
+        else:
+            i, k = idx
+            optim[i][k] = (optim[i][k][0], seg) if optim[i][k][0] == "tensor" \
+                else ("py", (optim[i][k][1], seg))
+    layout = StateLayout(names, tensors, [s for s in module_segs if s is not None],
+                         params, optim, offset)
+    _LAYOUTS.setdefault(module, {})[key] = layout
+    return layout
+
+
+def state_nbytes(module: nn.Module, optimizer: Any = None) -> int:
+    """Bytes of a replica of ``module`` under ``optimizer``: the exact size of the message."""
+    return layout_of(module, optimizer).nbytes
+
+
+def _view(flat: torch.Tensor, seg: _Segment) -> torch.Tensor:
+    return flat[seg.offset:seg.offset + seg.nbytes].view(seg.dtype).view(seg.shape)
+
+
+def pack_state(module: nn.Module, optimizer: Any = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The module's ``state_dict`` then its optimizer's state, as one flat uint8 tensor."""
+    import torch
+
+    lay = layout_of(module, optimizer)
+    flat = out if out is not None else torch.empty(lay.nbytes, dtype=torch.uint8)
     with torch.no_grad():
-        for p in params:
-            flat[pos:pos + p.numel()].copy_(p.reshape(-1))
-            pos += p.numel()
-        has_state = optim == "adam" or momentum
-        if has_state:
-            for p in params:
-                st = optimizer.state.get(p, {})
-                for key in _state_keys(optim):
-                    buf = st.get(key)
-                    seg = flat[pos:pos + p.numel()]
-                    seg.copy_(buf.reshape(-1)) if buf is not None else seg.zero_()
-                    pos += p.numel()
-            if optim == "adam":
-                for p in params:
-                    step = optimizer.state.get(p, {}).get("step")
-                    flat[pos] = float(step) if step is not None else 0.0
-                    pos += 1
-    assert pos == numel
+        for t, seg in zip(lay.tensors, lay.module, strict=True):
+            _view(flat, seg).copy_(t)
+        state = optimizer.state if optimizer is not None else {}
+        for p, kinds in zip(lay.params, lay.optim, strict=True):
+            st = state.get(p, {})
+            for k, (kind, seg) in kinds.items():
+                if kind == "tensor":
+                    v = st.get(k)
+                    _view(flat, seg).copy_(v) if v is not None else _view(flat, seg).zero_()
+                elif kind == "py":
+                    _view(flat, seg[1]).fill_(float(st.get(k, 0)))
     return flat
 
 
-def unpack_state(flat: torch.Tensor, params: Sequence[torch.Tensor],
-                 optimizer: torch.optim.Optimizer, optim: str, momentum: float, count: int) -> None:
-    """Load a replica into ``params`` and ``optimizer`` (state only once a step was taken)."""
+def unpack_state(flat: torch.Tensor, module: nn.Module, optimizer: Any = None,
+                 count: int = 1) -> None:
+    """Load a buffer of :func:`pack_state` into ``module`` and ``optimizer``; the optimizer's
+    state only once a step was taken (``count`` > 0: the replica's step count)."""
     import torch
 
-    pos = 0
+    lay = layout_of(module, optimizer)
+    if flat.numel() != lay.nbytes:
+        raise StateError(f"a replica of {flat.numel()} bytes does not fit this stage's "
+                         f"state of {lay.nbytes} bytes")
     with torch.no_grad():
-        for p in params:
-            p.copy_(flat[pos:pos + p.numel()].view_as(p))
-            pos += p.numel()
-        if optim == "adam" or momentum:
-            for p in params:
-                st = optimizer.state[p] if count > 0 else {}
-                for key in _state_keys(optim):
-                    if count > 0:
-                        st[key] = flat[pos:pos + p.numel()].view_as(p).clone()
-                    pos += p.numel()
-                if count == 0:
-                    optimizer.state.pop(p, None)
-            if optim == "adam":
-                for p in params:
-                    if count > 0:
-                        optimizer.state[p]["step"] = torch.tensor(float(flat[pos]))
-                    pos += 1
+        for t, seg in zip(lay.tensors, lay.module, strict=True):
+            t.copy_(_view(flat, seg))
+        if optimizer is None:
+            return
+        for p, kinds in zip(lay.params, lay.optim, strict=True):
+            if count <= 0:
+                optimizer.state.pop(p, None)
+                continue
+            st: dict[str, Any] = {}
+            for k, (kind, seg) in kinds.items():
+                if kind == "tensor":
+                    st[k] = _view(flat, seg).clone()
+                elif kind == "py":
+                    typ, s = seg
+                    st[k] = typ(_view(flat, s).item())
+                else:
+                    st[k] = seg
+            optimizer.state[p] = st

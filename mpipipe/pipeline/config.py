@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpipipe.core.lr import SCHEDULES as LR_SCHEDULES
+from mpipipe.core.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS
 from mpipipe.pipeline.schedule import SCHEDULES, get, virtual_stages
 
 __all__ = ["PIPELINE_DEFAULTS", "PIPELINE_CHOICES", "chunks_per_stage"]
@@ -34,17 +35,8 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "shuffle": True,  # reshuffle the train split every epoch (seeded)
         "drop_last": True,  # drop a last short batch (false: pad it by repeating records)
     },
-    "model": {
-        "name": "lenet",  # lenet | vgg | resnet
-        "num_classes": 10,  # output classes of the model
-    },
-    "optim": {
-        "name": "sgd",  # sgd | adam
-        "lr": 0.05,  # learning rate (at the first step)
-        "schedule": "constant",  # constant | cosine (towards 0 over the run's steps)
-        "momentum": 0.9,  # SGD momentum
-        "weight_decay": 0.0,  # L2 penalty
-    },
+    "model": dict(MODEL_DEFAULTS),
+    "optim": dict(OPTIM_DEFAULTS),
     "pipeline": {
         "stages": 3,  # K: number of pipeline stages (one rank each)
         "balance": [],  # layers per chunk (K entries; v x K for interleaved-1f1b); [] = automatic
@@ -66,7 +58,6 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 PIPELINE_CHOICES: dict[str, tuple[str, ...]] = {
     "model.name": ("lenet", "vgg", "resnet"),
-    "optim.name": ("sgd", "adam"),
     "optim.schedule": LR_SCHEDULES,
     "pipeline.balance_by": ("time", "params"),
     "pipeline.schedule": SCHEDULES,

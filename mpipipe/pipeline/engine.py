@@ -20,7 +20,23 @@ from mpipipe.pipeline.partition import split, stage_modules
 from mpipipe.pipeline.schedule import Action, Op, actions, virtual_stages
 from mpipipe.pipeline.schedule import get as get_schedule
 
-__all__ = ["Pipeline", "Route", "EVAL_LABEL_MICRO", "MAX_TAGGED_MICRO"]
+__all__ = ["Pipeline", "Route", "EVAL_LABEL_MICRO", "MAX_TAGGED_MICRO", "micro_seed"]
+
+
+def micro_seed(seed: int, chunk: int, step: int, micro: int) -> int:
+    """The seed of torch's CPU generator for the forward of micro-batch ``micro`` of
+    0-based ``step`` through model chunk ``chunk`` (the stage, without interleaving).
+
+    Why a pure function: the random numbers a stage draws (Dropout's masks) must be the
+    same in a replay after a takeover, on a hot mirror and in a resumed run, and a
+    single-process reference can draw them too, by seeding before each chunk's forward.
+    A 64-bit mix (splitmix64's finaliser), so that neighbouring steps get unrelated
+    streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + chunk * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
+         + micro * 0xD6E8FEB86659FD93) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 # Evaluation labels travel with kind EVAL and this micro index, which no micro-batch uses.
 EVAL_LABEL_MICRO = 1023
@@ -113,7 +129,7 @@ class Pipeline:
                  schedule: str = "gpipe", comm: object | None = None,
                  route: Route | None = None, *, in_shape: Sequence[int] | None = None,
                  labels: str = "travel", deadline: float | None = None,
-                 label_dtype: torch.dtype = torch.int64) -> None:
+                 label_dtype: torch.dtype = torch.int64, seed: int = 0) -> None:
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
@@ -148,6 +164,7 @@ class Pipeline:
         self._plans: dict[int, list[Action]] = {}
         self.step_count = 0
         self.eval_count = 0
+        self.seed = seed  # of every micro-batch's random numbers (micro_seed)
         self.last_compute_s = 0.0
         self.last_wait_s = 0.0
         # Called with (step, micro) after each forward of a stage (fault injection).
@@ -320,6 +337,7 @@ class Pipeline:
                     inp = t.recv_rows(shape, dtype, ranks[(c - 1) % k], kind=ACT, step=step_no,
                                       micro=self.tag_micro(c, i), deadline=deadline)
                     inp.requires_grad_(inp.is_floating_point())
+                torch.default_generator.manual_seed(micro_seed(self.seed, c, step_no, i))
                 out = chunks[c](inp)
                 if c == last_chunk:
                     assert ys is not None

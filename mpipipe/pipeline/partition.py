@@ -160,6 +160,9 @@ def layer_times(module: nn.Sequential, sample: torch.Tensor, repeat: int = 5) ->
     was_training = module.training
     module.train()
     times: list[list[float]] = [[] for _ in module]
+    # Timing runs the layers in training mode: BatchNorm's running statistics move. They
+    # are put back, or this rank's weights would differ from every other rank's.
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
     try:
         for _ in range(repeat + 1):  # the first round warms up allocators
             x = sample.detach()
@@ -174,6 +177,9 @@ def layer_times(module: nn.Sequential, sample: torch.Tensor, repeat: int = 5) ->
         module.zero_grad(set_to_none=True)
     finally:
         module.train(was_training)
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
     return [min(t[1:]) for t in times]
 
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from mpipipe.core import stop, watchdog
 from mpipipe.core.cli import Run, gather_figures
 from mpipipe.core.logschema import EventKind
-from mpipipe.core.lr import set_rate_for_step
 from mpipipe.core.roles import fail_fast
 
 # torch, the engine and the data reader are imported where used, so that a wrong
@@ -40,9 +39,10 @@ class Setup:
     model: nn.Sequential
     pipe: Pipeline
     optimizer: torch.optim.Optimizer | None
-    loss_fn: nn.Module
+    loss_fn: Any
     in_shape: tuple[int, int, int]
     total_steps: int
+    schedule: Any  # mpipipe.core.recipe.Schedule: the hyperparameters of every step
     start_step: int = 0
     train_data: data.TrainBatches | None = None
     eval_batches: int = 0
@@ -51,16 +51,31 @@ class Setup:
 
 
 def make_optimizer(cfg: dict, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
-    """This stage's optimizer, or None for a stage without parameters (only ReLU, pooling)."""
-    import torch
+    """This stage's optimizer, or None for a stage without parameters (only ReLU, pooling):
+    :func:`mpipipe.core.recipe.make_optimizer` (checked at set-up, so it cannot fail here)."""
+    from mpipipe.core.recipe import make_optimizer as build
 
-    if not params:
-        return None
-    o = cfg["optim"]
-    if o["name"] == "adam":
-        return torch.optim.Adam(params, lr=o["lr"], weight_decay=o["weight_decay"])
-    return torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"],
-                           weight_decay=o["weight_decay"])
+    return build(cfg, params)
+
+
+def check_same_weights(run: Run, pipe: Pipeline) -> None:
+    """Every rank built the whole model from the same seed: a stage and its backups must
+    hold the same weights, or a takeover would silently change the model. One CRC per
+    stage, compared over all ranks; a mismatch is the user's factory drawing random
+    numbers from somewhere torch's seed does not reach."""
+    from mpipipe.core.recipe import checksum
+
+    mine = [checksum(part) for part in pipe.partitions]
+    seen = run.comm.allgather(mine)
+    for k in range(len(mine)):
+        crcs = {r: sums[k] for r, sums in enumerate(seen)}
+        if len(set(crcs.values())) > 1:
+            first = next(iter(crcs.values()))
+            odd = sorted(r for r, c in crcs.items() if c != first)
+            run.fail(f"model.factory is not deterministic: ranks {', '.join(map(str, odd))} "
+                     f"built other weights for stage {k} than rank 0, from the same seed "
+                     f"(run.seed = {run.cfg['run']['seed']}); draw random numbers with "
+                     f"torch only, after the seed is set, or load fixed weights")
 
 
 def agree(run: Run, error: str | None) -> None:
@@ -105,10 +120,8 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     if error:
         run.fail(error)
     import torch
-    from torch import nn
 
-    from mpipipe.core import checkpoint, data
-    from mpipipe.core.models import build_model
+    from mpipipe.core import checkpoint, data, recipe
     from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.engine import Pipeline, Route
     from mpipipe.pipeline.partition import balance_by_params, balance_by_time, check_balance
@@ -131,8 +144,11 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
 
     torch.manual_seed(cfg["run"]["seed"])
     try:
-        model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], in_shape)
-    except ValueError as e:
+        model = recipe.build_model(cfg, in_shape)
+        loss_fn = recipe.make_loss(cfg)
+        schedule = recipe.Schedule(cfg, total)
+        recipe.make_optimizer(cfg, [torch.zeros(1, requires_grad=True)])  # fails here, not later
+    except recipe.RecipeError as e:
         run.fail(e)
     route = Route.from_plan(run.plan, k)
     my_stage = route.stage_of(run.rank)
@@ -162,7 +178,8 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     elif not balance:
         if v * k > len(model):
             run.fail(f"pipeline.stages = {k}" + (f" with {v} chunks each" if v > 1 else "")
-                     + f" but model {cfg['model']['name']} has only {len(model)} layers")
+                     + f" but model {cfg['model']['factory'] or cfg['model']['name']} has only "
+                     f"{len(model)} layers")
         if cfg["pipeline"]["balance_by"] == "params":
             balance = balance_by_params(model, k, v, m)
         else:
@@ -181,9 +198,11 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         run.fail(f"{e}")
 
     pipe = (pipeline_cls or Pipeline)(model, balance, m, cfg["pipeline"]["schedule"], comm, route,
-                    in_shape=in_shape, deadline=cfg["resilience"]["deadline_s"] or None)
+                    in_shape=in_shape, deadline=cfg["resilience"]["deadline_s"] or None,
+                    seed=cfg["run"]["seed"])
+    check_same_weights(run, pipe)
     optimizer = make_optimizer(cfg, list(pipe.parameters()))
-    setup_ = Setup(run, model, pipe, optimizer, nn.CrossEntropyLoss(), in_shape, total,
+    setup_ = Setup(run, model, pipe, optimizer, loss_fn, in_shape, total, schedule,
                    eval_batches=eval_batches)
     if pipe.first:
         setup_.train_data = data.TrainBatches(path, cfg["data"]["batch_size"],
@@ -258,7 +277,7 @@ def train_step(s: Setup, step: int,
     loss = pipe.step(x, y, s.loss_fn, step=step)
     t0 = time.perf_counter()
     if s.optimizer is not None:
-        set_rate_for_step(s.optimizer, s.run.cfg["optim"], step, s.total_steps)
+        s.schedule.apply(s.optimizer, step)
         s.optimizer.step()
     opt_s = time.perf_counter() - t0
     figures = {
@@ -352,7 +371,8 @@ def train(run: Run) -> int:
     ckpt_every = cfg["run"]["checkpoint_every"]
     batch = cfg["data"]["batch_size"]
     if run.rank == 0:
-        progress.message(f"{cfg['model']['name']} in {s.pipe.k} stages, balance "
+        model = cfg["model"]["factory"] or cfg["model"]["name"]
+        progress.message(f"{model} in {s.pipe.k} stages, balance "
                          f"{s.pipe.balance}, {cfg['pipeline']['schedule']}, "
                          f"{s.pipe.chunks} micro-batches of ~{batch // s.pipe.chunks}")
     loss = math.nan

@@ -147,7 +147,8 @@ def train(run: Any) -> int:
                      loss_fn=s.loss_fn, batch_of=BatchCache(next_batch, seek=seek),
                      evaluate=_eval_fn(cfg, s.eval_batches), log=log,
                      progress=progress, comm=run.comm,
-                     in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir, resume=resume)
+                     in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir, resume=resume,
+                     schedule=s.schedule)
     except checkpoint.CheckpointError as e:  # a backup's (a stage's failed in setup)
         error = str(e)
     plain.agree(run, error)

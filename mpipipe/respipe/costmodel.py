@@ -32,18 +32,15 @@ every update itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from mpipipe.core.statecodec import state_bytes
 
 __all__ = [
     "StageShape",
     "Cost",
     "predict",
     "lost_updates",
-    "state_bytes",
     "stage_shapes",
     "trade_off",
     "step_seconds",
@@ -121,8 +118,8 @@ class Cost:
         return (self.replica + self.shadow) / self.plain if self.plain else math.inf
 
 
-def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int], optim: str,
-                 momentum: float = 0.0, *, stages: int | None = None
+def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int],
+                 make_optimizer: Callable[[list[Any]], Any], *, stages: int | None = None
                  ) -> tuple[list[StageShape], int]:
     """Each stage's activation and replica bytes, from a no-grad forward of one zero sample.
 
@@ -130,10 +127,14 @@ def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int], optim: str,
     are the model's chunks in order (``nn.Sequential`` slices, as ``split`` cuts them),
     of which stage s holds s, s + K, ... when ``stages`` = K is fewer; or a pipeline's
     ``partitions`` (stage modules that hold their chunks). Replicas carry float32
-    parameters, of all the stage's chunks.
+    the stage's whole state, of all its chunks: parameters, buffers and the state of
+    the optimizer ``make_optimizer(params)`` builds (:mod:`mpipipe.core.statecodec`, whose
+    byte count is the replica message's, byte for byte).
     """
     import torch
+    from torch import nn
 
+    from mpipipe.core.statecodec import layout_of
     from mpipipe.pipeline.partition import StageChunks
 
     parts = list(partitions)
@@ -156,10 +157,11 @@ def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int], optim: str,
             acts.append(x.numel() * x.element_size() if c < len(parts) - 1 else 0)
     out = []
     for s in range(k):
-        params = [p for part in parts[s::k] for p in part.parameters()]
-        pb = sum(p.numel() * p.element_size() for p in params)
+        module = nn.ModuleList(parts[s::k])
+        params = list(module.parameters())
+        lay = layout_of(module, make_optimizer(params) if params else None)
         mine = tuple(acts[s::k])
-        out.append(StageShape(sum(mine), pb, state_bytes(pb, len(params), optim, momentum),
+        out.append(StageShape(sum(mine), lay.param_bytes, lay.nbytes - lay.param_bytes,
                               mine if len(mine) > 1 else ()))
     return out, in_bytes
 
@@ -374,7 +376,7 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
     """
     import torch
 
-    from mpipipe.core.models import build_model
+    from mpipipe.core import recipe
     from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.partition import balance_by_params, check_balance, split
 
@@ -390,7 +392,10 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
         except data.DataError as e:
             raise ValueError(f"{e} (or pass --in-shape C,H,W)") from None
     torch.manual_seed(cfg["run"]["seed"])
-    model = build_model(cfg["model"]["name"], cfg["model"]["num_classes"], in_shape)
+    try:
+        model = recipe.build_model(cfg, in_shape)
+    except recipe.RecipeError as e:
+        raise ValueError(str(e)) from None
     k = cfg["pipeline"]["stages"]
     v = chunks_per_stage(cfg)  # v x K chunks with interleaved-1f1b
     note = ""
@@ -400,8 +405,9 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
         balance = balance_by_params(model, k, v, cfg["pipeline"]["chunks"])
         if cfg["pipeline"]["balance_by"] == "time":
             note = " (by parameters; the run balances by measured time and may cut elsewhere)"
-    o = cfg["optim"]
-    momentum = float(o.get("momentum", 0.0)) if o["name"] == "sgd" else 0.0
-    shapes, in_bytes = stage_shapes(split(model, balance), in_shape, o["name"], momentum,
-                                    stages=k)
+    try:
+        shapes, in_bytes = stage_shapes(split(model, balance), in_shape,
+                                        lambda p: recipe.make_optimizer(cfg, p), stages=k)
+    except recipe.RecipeError as e:
+        raise ValueError(str(e)) from None
     return shapes, in_bytes, balance, note

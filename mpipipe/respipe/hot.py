@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from mpipipe.core.lr import set_rate_for_step
 from mpipipe.core.statecodec import pack_state, unpack_state
 from mpipipe.core.transport import CTRL, SHADOW
 from mpipipe.respipe.membership import _DEBUG
@@ -33,7 +32,7 @@ class HotMirror:
         """
         pipe, t = self.pipe, self.pipe.transport
         s = self.done
-        params = self._params(k)
+        module = self._module(k)
         self._start_mirror(k)
         assert self.optimizer is not None
         st = pipe.inflight
@@ -43,28 +42,25 @@ class HotMirror:
             if not self._probe(stage_w, t.tag(SHADOW, s, 0)):
                 time.sleep(0.0005)
                 return
-            self._mirror_snap = _Slot(pack_state(params, self.optimizer, self.optim,
-                                                 self.momentum), s)
+            self._mirror_snap = _Slot(pack_state(module, self.optimizer), s)
         pipe.deadline = self._deadline()
         pipe.boundary_shapes(self.in_shape)
         t.reset_counters()
         y = self.batch_of(s)[1] if k == pipe.k - 1 else None
         loss = pipe.step(None, y, self.loss_fn, step=s, mirror=(k, self._drank(stage_w)))
-        set_rate_for_step(self.optimizer, self.cfg["optim"], s, self.total)
+        self.schedule.apply(self.optimizer, s)
         self.optimizer.step()
         snap = self._mirror_snap
         self.snapshot = snap
         self.done = s + 1
-        self.slots = [snap, _Slot(pack_state(params, self.optimizer, self.optim,
-                                             self.momentum), self.done)]
+        self.slots = [snap, _Slot(pack_state(module, self.optimizer), self.done)]
         # Kept in case this mirror takes over before the stage's figures reach the log.
         self._keep_figs(self._step_figs(s, loss))
         if self.done % self.settings.replicate_every == 0:
             # The periodic replica guards the mirror against drift; it replaces the state.
             self._after_step = True
             self._take_replica(stage_w, k, self.done, t)
-            unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim, self.momentum,
-                         self.done)
+            unpack_state(self.slots[-1].flat, module, self.optimizer, self.done)
             self._after_step = False
 
     def _start_mirror(self, k: int) -> None:
@@ -72,13 +68,12 @@ class HotMirror:
         resumed run's checkpoint), optimizer state included."""
         if self.optimizer is not None and self._mirror_of == k:
             return
-        params = self._params(k)
-        self.optimizer = self.make_optimizer(params)
+        self.optimizer = self.make_optimizer(self._params(k))
         self._mirror_of = k
         self.pipe.abandon()
         if self.slots:
-            unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim,
-                         self.momentum, self.slots[-1].count)
+            unpack_state(self.slots[-1].flat, self._module(k), self.optimizer,
+                         self.slots[-1].count)
 
     def _promote_mirror(self, k: int) -> None:
         """This hot mirror now serves stage k from where it stands, its step in flight too."""

@@ -227,8 +227,8 @@ class Logbook:
 
     def _log_cost_model(self) -> None:
         try:
-            shapes, in_bytes = stage_shapes(self.pipe.partitions, self.in_shape, self.optim,
-                                            self.momentum)
+            shapes, in_bytes = stage_shapes(self.pipe.partitions, self.in_shape,
+                                            self.make_optimizer)
         except Exception:  # noqa: BLE001 - shapes unknown: the log just lacks the prediction
             return
         s = self.settings

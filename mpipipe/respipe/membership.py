@@ -77,6 +77,10 @@ class Membership:
     def _params(self, stage: int) -> list[nn.Parameter]:
         return list(self.pipe.partitions[stage].parameters())
 
+    def _module(self, stage: int) -> nn.Module:
+        """Stage ``stage``'s module: its state (parameters and buffers) is a replica's."""
+        return self.pipe.partitions[stage]
+
     def _holders_of(self, stage: int) -> list[int]:
         """World ranks that hold a replica of ``stage``."""
         return stage_holders(stage, self.route_w, self.backups_w, self.settings.mode)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mpipipe.core.transport import ACT, GRAD, LABEL, SHADOW
-from mpipipe.pipeline.engine import MAX_TAGGED_MICRO, LossFn, Pipeline, Route
+from mpipipe.pipeline.engine import MAX_TAGGED_MICRO, LossFn, Pipeline, Route, micro_seed
 from mpipipe.pipeline.schedule import Op
 
 __all__ = ["MirrorPipeline", "Route", "StepState", "Have", "stage_consumers",
@@ -233,6 +233,7 @@ class MirrorPipeline(Pipeline):
                     st.inputs[i] = inp
                 for r in shadows:
                     self._emit(inp, r, SHADOW, st.step, i)
+                torch.default_generator.manual_seed(micro_seed(self.seed, stage, st.step, i))
                 out = part(inp)
                 if last:
                     assert st.ys is not None

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mpipipe.core import ft, stop, watchdog
-from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
+from mpipipe.core.statecodec import pack_state, state_nbytes, unpack_state
 from mpipipe.core.transport import REPLICA, PeerFailed
 from mpipipe.pipeline.engine import Route
 from mpipipe.respipe.control import _END
@@ -65,17 +65,21 @@ class Replicas:
         t = self.pipe.transport
         holders = self._holders_of(self.stage)
         if holders:
-            flat = pack_state(self._params(self.stage), self.optimizer, self.optim, self.momentum)
+            flat = pack_state(self._module(self.stage), self.optimizer)
             for h in holders:
                 t.send(flat, self._drank(h), kind=REPLICA, step=self.done)
         for ward in self.wards:
             self._take_replica(self.route_w[ward], ward, self.done, t)
         t.flush(self._deadline())
 
+    def _replica_buffer(self, stage: int) -> torch.Tensor:
+        """A buffer for a replica of ``stage``: its exact size, from the stage's layout."""
+        opt = self.optimizer if stage == self.stage else self.make_optimizer(self._params(stage))
+        return torch.empty(state_nbytes(self._module(stage), opt), dtype=torch.uint8)
+
     def _take_replica(self, source_w: int, stage: int, count: int, t: Any,
                       deadline: float | None = None) -> None:
-        n = replica_numel(self._params(stage), self.optim, self.momentum)
-        buf = torch.empty(n, dtype=torch.float32)
+        buf = self._replica_buffer(stage)
         t.recv(buf, self._drank(source_w), kind=REPLICA, step=count,
                deadline=self._deadline() if deadline is None else deadline)
         self._hold(_Slot(buf, count), stage)
@@ -143,7 +147,7 @@ class Replicas:
             self.optimizer = self.make_optimizer(params)
         if slot is None:
             raise RuntimeError(f"backup of stage {k} lacks the replica of step {count}")
-        unpack_state(slot.flat, params, self.optimizer, self.optim, self.momentum, count)
+        unpack_state(slot.flat, self._module(k), self.optimizer, count)
         self.stage, self.shadowing = k, None
         self.done = P
         self.slots = []
@@ -168,7 +172,7 @@ class Replicas:
         route = Route(tuple(self.members.index(w) for w in d.route), d.gen)
         new = Pipeline(old.module, balance, old.chunks, old.schedule, self.data, route,
                        in_shape=self.in_shape, labels=old.labels, deadline=old.deadline,
-                       label_dtype=old.label_dtype)
+                       label_dtype=old.label_dtype, seed=old.seed)
         new.after_forward = old.after_forward
         holder = self.route_w[k - 1] if k > 0 else self.route_w[1]
         if self.wrank == holder:
@@ -177,14 +181,14 @@ class Replicas:
             if slot is None:
                 raise RuntimeError(f"neighbour of stage {k} lacks its replica of step {count}")
             own = self._params(self.stage) if self.stage is not None else []
-            ward = self._params(k)
+            ward_module = old.partitions[k]
             merged = self.make_optimizer(new.partitions[into].parameters())
             old_opt = self.optimizer
             if old_opt is not None:
                 for p in own:
                     if p in old_opt.state:
                         merged.state[p] = old_opt.state[p]
-            unpack_state(slot.flat, ward, merged, self.optim, self.momentum, count)
+            unpack_state(slot.flat, ward_module, merged, count)
             self.optimizer = merged
             self._say(f"took over stage {k} into its own (replica of step {count})")
         self.pipe = new
@@ -200,8 +204,7 @@ class Replicas:
             assert self.optimizer is not None
             holders = self._holders_of(self.stage)
             if holders:
-                flat = pack_state(self._params(self.stage), self.optimizer, self.optim,
-                                  self.momentum)
+                flat = pack_state(self._module(self.stage), self.optimizer)
                 for h in holders:
                     t.send(flat, self._drank(h), kind=REPLICA, step=P, micro=1)
             for ward in self.wards:
@@ -210,17 +213,14 @@ class Replicas:
         elif self.shadowing is not None:
             self._take_resync(self.route_w[self.shadowing], self.shadowing, P, t, deadline)
             if self.settings.mode == "hot":
-                params = self._params(self.shadowing)
                 if self.optimizer is None or self._mirror_of != self.shadowing:
-                    self.optimizer = self.make_optimizer(params)
+                    self.optimizer = self.make_optimizer(self._params(self.shadowing))
                     self._mirror_of = self.shadowing
-                unpack_state(self.slots[-1].flat, params, self.optimizer, self.optim,
-                             self.momentum, P)
+                unpack_state(self.slots[-1].flat, self._module(self.shadowing), self.optimizer, P)
             self.done = P
 
     def _take_resync(self, source_w: int, stage: int, P: int, t: Any, deadline: float) -> None:
-        n = replica_numel(self._params(stage), self.optim, self.momentum)
-        buf = torch.empty(n, dtype=torch.float32)
+        buf = self._replica_buffer(stage)
         t.recv(buf, self._drank(source_w), kind=REPLICA, step=P, micro=1, deadline=deadline)
         if self.stage is not None:
             self.ward_slots[stage] = [_Slot(buf, P)]

@@ -294,9 +294,14 @@ class Rounds:
             if snap is None:
                 raise RuntimeError(f"cannot roll back from step {self.done} to {P}")
             assert self.optimizer is not None
-            unpack_state(snap.flat, self._params(self.stage), self.optimizer,
-                         self.optim, self.momentum, P)
+            unpack_state(snap.flat, self._module(self.stage), self.optimizer, P)
             self.done = P
+        elif not go_on and self.stage is not None and self.snapshot is not None \
+                and self.snapshot.count == P == self.done:
+            # Cut mid-step: the forwards it ran moved BatchNorm's running statistics; the
+            # replay must not count those micro-batches twice (the snapshot has step P's).
+            assert self.optimizer is not None
+            unpack_state(self.snapshot.flat, self._module(self.stage), self.optimizer, P)
         if d.merge >= 0:
             self._merge(d, P)
         for k, w in enumerate(d.route):

@@ -51,8 +51,7 @@ from mpipipe.core.checkpoint import CheckpointError
 from mpipipe.core.data import DataFault
 from mpipipe.core.faults import FaultPlan
 from mpipipe.core.logschema import EventKind
-from mpipipe.core.lr import set_rate_for_step
-from mpipipe.core.statecodec import pack_state, replica_numel, unpack_state
+from mpipipe.core.statecodec import pack_state, state_nbytes, unpack_state
 from mpipipe.core.stop import ControlStop, StopRun
 from mpipipe.core.transport import Late, PeerFailed, set_wait_hook
 from mpipipe.respipe.control import _ANNOUNCE, _DEMOTED, _END, _STOP, _STOP_ASK, _Control
@@ -75,7 +74,7 @@ __all__ = [
     "ResPipe",
     "pack_state",
     "unpack_state",
-    "replica_numel",
+    "state_nbytes",
     "SHADOW_GRAD_MICRO",
     "round_patience",
 ]
@@ -113,6 +112,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         out: Any = None,
         checkpoint_dir: Any = None,
         resume: tuple[int, Callable[[int], Any]] | None = None,
+        schedule: Any = None,
     ) -> None:
         from mpi4py import MPI
 
@@ -131,8 +131,11 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self.progress = progress
         self.out = out or sys.stdout
         self.in_shape = tuple(in_shape) if in_shape is not None else pipe.in_shape
-        self.optim = cfg["optim"]["name"]
-        self.momentum = float(cfg["optim"].get("momentum", 0.0)) if self.optim == "sgd" else 0.0
+        if schedule is None:
+            from mpipipe.core.recipe import Schedule
+
+            schedule = Schedule(cfg, int(cfg["run"]["steps"]))
+        self.schedule = schedule  # the hyperparameters of each step (a replay's too)
         self.batch_size = int(cfg["data"]["batch_size"])
         self.ulfm = ft.ulfm_enabled()
         self.gen = 0
@@ -192,9 +195,8 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         # Every rank built the model from the same seed: before the first replica
         # arrives, a holder's copy of the initial state is the replica of step 0.
         for k in ([self.shadowing] if self.shadowing is not None else self.wards):
-            params = self._params(k)
-            self._hold(_Slot(pack_state(params, self.make_optimizer(params), self.optim,
-                                        self.momentum), 0), k)
+            self._hold(_Slot(pack_state(self._module(k), self.make_optimizer(self._params(k))),
+                             0), k)
         if self.shadowing is not None:
             self._warm_up(self.shadowing)
         if resume is not None:
@@ -237,7 +239,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
                 raise CheckpointError(f"the checkpoint of stage {k} does not fit this model "
                                       f"and optimizer: {e}") from None
             if k in held:
-                slot = _Slot(pack_state(params, opt, self.optim, self.momentum), step)
+                slot = _Slot(pack_state(self._module(k), opt), step)
                 if self.stage is not None:
                     self.ward_slots[k] = [slot]
                 else:
@@ -328,8 +330,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
             # before (a mirror that was a step behind sets P).
             if self.snapshot is not None and self.snapshot.count != self.done:
                 self.prev_snapshot = self.snapshot
-            self.snapshot = _Slot(pack_state(self._params(self.stage), opt, self.optim,
-                                             self.momentum), self.done)
+            self.snapshot = _Slot(pack_state(self._module(self.stage), opt), self.done)
         pipe.deadline = self._deadline()
         t0 = time.perf_counter()
         pipe.transport.reset_counters()
@@ -338,7 +339,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         factor = self.faults.slowdown(s)
         if factor > 1:
             time.sleep((factor - 1) * pipe.last_compute_s)
-        set_rate_for_step(opt, self.cfg["optim"], s, self.total)
+        self.schedule.apply(opt, s)
         opt.step()
         self.done = s + 1
         self._after_step = True

@@ -1,0 +1,382 @@
+"""The user's training recipe: the model, optimizer, learning-rate schedule and loss, from
+the ``[model]`` and ``[optim]`` sections of either system's configuration.
+
+Why one module for both systems: ResPipe, the plain pipeline and Stannis build the same
+recipe the same way, so a user's factory, ``torch.optim`` class, scheduler and loss work
+in every mode. The names the project ships (``lenet``, ``sgd``, ``cosine``, ...) stay as
+shortcuts.
+
+Why the schedule is precomputed rather than carried: a step replayed after a takeover, a
+hot mirror and a resumed run must all apply the hyperparameters the failure-free run
+applied at that step. A torch scheduler is therefore stepped once per optimizer step on a
+throwaway optimizer, and the values of step ``s`` (every group's ``lr``, and ``momentum``
+or ``betas`` where the scheduler moves them, as OneCycleLR does) are set before step
+``s``: the schedule is a pure function of the step, and no scheduler state needs to
+travel in a replica. Schedulers that need a metric (ReduceLROnPlateau) are refused.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+import sys
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mpipipe.core.lr import rate_at, set_lr
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["RecipeError", "MODEL_DEFAULTS", "OPTIM_DEFAULTS", "resolve", "anchor", "build_model", "as_chain",
+           "make_optimizer", "Schedule", "make_loss", "checksum", "describe_recipe"]
+
+MODEL_DEFAULTS: dict[str, Any] = {
+    "name": "lenet",  # a shipped model (lenet | vgg | resnet), used when factory is empty
+    "num_classes": 10,  # output classes of the model
+    "factory": "",  # your model: "package.module:function" or "path/to/file.py:function"
+    "kwargs": {},  # keyword arguments of the factory
+    "loss": "cross_entropy",  # or "package.module:name" (a loss class or function)
+    "loss_kwargs": {},  # keyword arguments of the loss, e.g. {label_smoothing = 0.1}
+}
+
+OPTIM_DEFAULTS: dict[str, Any] = {
+    "name": "sgd",  # sgd | adam | any torch.optim class ("AdamW") | "package.module:Class"
+    "lr": 0.05,  # learning rate (at the first step)
+    "schedule": "constant",  # constant | cosine (towards 0 over the run's steps)
+    "momentum": 0.9,  # SGD momentum (the sgd shortcut)
+    "weight_decay": 0.0,  # L2 penalty (the sgd and adam shortcuts)
+    "kwargs": {},  # keyword arguments of any other optimizer class (lr comes from optim.lr)
+    "scheduler": "",  # any torch.optim.lr_scheduler class ("OneCycleLR") or an import string
+    "scheduler_kwargs": {},  # its keyword arguments (total_steps filled from the run)
+}
+
+
+class RecipeError(ValueError):
+    """A model, optimizer, scheduler or loss of the configuration cannot be built."""
+
+
+def _suggest(word: str, known: Sequence[str]) -> str:
+    near = [k for k in known if k.lower() == word.lower()]
+    near += [k for k in difflib.get_close_matches(word, list(known), n=3, cutoff=0.5) if k not in near]
+    near = near[:3]
+    return f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+
+
+def resolve(spec: str, what: str, base: Path | None = None) -> Any:
+    """The object an import string names: ``"package.module:attr"`` (imported as Python
+    would, with the current directory on the path) or ``"path/to/file.py:attr"`` (a
+    relative path is looked up in ``base``, the config file's folder, then the current
+    directory).
+
+    Raises:
+        RecipeError: the string is malformed, the module or file is missing or fails to
+            import, or it has no such attribute (one line naming which).
+    """
+    if ":" not in spec:
+        raise RecipeError(f"{what} = {spec!r}: give \"package.module:name\" or "
+                          f"\"path/to/file.py:name\"")
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise RecipeError(f"{what} = {spec!r}: give \"package.module:name\" or "
+                          f"\"path/to/file.py:name\"")
+    try:
+        if where.endswith(".py"):
+            candidates = [Path(where)] if Path(where).is_absolute() else \
+                [d / where for d in (base, Path.cwd()) if d is not None]
+            path = next((p for p in candidates if p.is_file()), None)
+            if path is None:
+                raise RecipeError(f"{what} = {spec!r}: no file {where} (looked in "
+                                  f"{', '.join(str(c.parent) for c in candidates)})")
+            name = f"_mpipipe_user_{zlib.crc32(str(path.resolve()).encode()):08x}"
+            module = sys.modules.get(name)
+            if module is None:
+                loader = importlib.util.spec_from_file_location(name, path)
+                assert loader is not None and loader.loader is not None
+                module = importlib.util.module_from_spec(loader)
+                sys.modules[name] = module
+                loader.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(where)
+    except RecipeError:
+        raise
+    except ModuleNotFoundError as e:
+        raise RecipeError(f"{what} = {spec!r}: cannot import {where} ({e})") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing
+        raise RecipeError(f"{what} = {spec!r}: importing {where} failed: "
+                          f"{type(e).__name__}: {e}") from None
+    if not hasattr(module, attr):
+        known = [n for n in dir(module) if not n.startswith("_")]
+        raise RecipeError(f"{what} = {spec!r}: {where} has no {attr!r}{_suggest(attr, known)}")
+    return getattr(module, attr)
+
+
+_SPECS = (("model", "factory"), ("model", "loss"), ("optim", "name"), ("optim", "scheduler"))
+
+
+def anchor(cfg: dict[str, Any], config_path: str | Path | None) -> None:
+    """Make each relative ``file.py:name`` of the configuration absolute where the file
+    lies beside the config file: a path resolves against the config file's folder first,
+    then the current directory, and every rank must load the same file."""
+    if config_path is None:
+        return
+    folder = Path(config_path).resolve().parent
+    for section, key in _SPECS:
+        spec = cfg.get(section, {}).get(key)
+        if not isinstance(spec, str) or ":" not in spec:
+            continue
+        where, _, attr = spec.rpartition(":")
+        if where.endswith(".py") and not Path(where).is_absolute() and (folder / where).is_file():
+            cfg[section][key] = f"{folder / where}:{attr}"
+
+
+def _call(fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a user's callable; a wrong keyword is one line naming what it takes."""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        raise RecipeError(f"{what}: {e}") from None
+    except ValueError:  # no signature (a builtin): let the call say
+        pass
+    try:
+        return fn(*args, **kwargs)
+    except RecipeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code failed: say where
+        raise RecipeError(f"{what} failed: {type(e).__name__}: {e}") from None
+
+
+def build_model(cfg: Mapping[str, Any], in_shape: Sequence[int],
+                base: Path | None = None) -> nn.Sequential:
+    """The configuration's model as a chain a pipeline can cut: a shipped one by
+    ``model.name``, or the user's ``model.factory`` called with ``model.kwargs`` (an
+    ``nn.Sequential`` is flattened, another module traced into pieces,
+    :func:`mpipipe.core.chain.sequential`). Seed torch first: every rank must build the
+    same weights (:func:`checksum` checks it).
+
+    Raises:
+        RecipeError: the factory cannot be found or called, returns no ``nn.Module``, or
+            the model cannot be cut into a chain.
+    """
+    from torch import nn
+
+    from mpipipe.core import models
+
+    m = cfg["model"]
+    if not m.get("factory"):
+        if m.get("kwargs"):
+            raise RecipeError(f"model.kwargs = {m['kwargs']} takes effect only with "
+                              f"model.factory; the shipped {m['name']!r} takes none")
+        try:
+            return models.build_model(m["name"], m["num_classes"], in_shape)
+        except ValueError as e:
+            raise RecipeError(str(e)) from None
+    fn = resolve(m["factory"], "model.factory", base)
+    if not callable(fn):
+        raise RecipeError(f"model.factory = {m['factory']!r} is a {type(fn).__name__}, "
+                          f"not a function that returns an nn.Module")
+    model = _call(fn, f"model.factory {m['factory']!r}", **dict(m.get("kwargs") or {}))
+    if not isinstance(model, nn.Module):
+        raise RecipeError(f"model.factory {m['factory']!r} returned a {type(model).__name__}, "
+                          f"not an nn.Module")
+    return as_chain(model, in_shape)
+
+
+def as_chain(model: nn.Module, in_shape: Sequence[int]) -> nn.Sequential:
+    """``model`` as an ``nn.Sequential`` (:func:`mpipipe.core.chain.sequential`), checked
+    on one zero sample of ``in_shape``.
+
+    Raises:
+        RecipeError: the model cannot be cut into a chain (one line saying why).
+    """
+    import torch
+
+    from mpipipe.core.chain import ChainError, sequential
+
+    try:
+        return sequential(model, torch.zeros(2, *in_shape))
+    except ChainError as e:
+        raise RecipeError(str(e)) from None
+
+
+_SHORTCUTS = {"sgd": "SGD", "adam": "Adam"}
+
+
+def _optimizer_class(name: str, base: Path | None = None) -> type:
+    import torch
+
+    if ":" in name:
+        return resolve(name, "optim.name", base)
+    cls_name = _SHORTCUTS.get(name, name)
+    known = [n for n, c in vars(torch.optim).items()
+             if inspect.isclass(c) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer]
+    if cls_name not in known:
+        raise RecipeError(f"optim.name = {name!r}: not a torch.optim optimizer"
+                          f"{_suggest(cls_name, known + list(_SHORTCUTS))} (or give "
+                          f"\"package.module:Class\")")
+    return getattr(torch.optim, cls_name)
+
+
+def make_optimizer(cfg: Mapping[str, Any], params: Any,
+                   base: Path | None = None) -> torch.optim.Optimizer | None:
+    """This stage's optimizer over ``params``, or None for a stage without parameters.
+
+    ``sgd`` takes ``lr``, ``momentum`` and ``weight_decay``; ``adam`` ``lr`` and
+    ``weight_decay``; any other class ``lr`` and ``optim.kwargs``.
+
+    Raises:
+        RecipeError: an unknown optimizer or a keyword it does not take.
+    """
+    params = list(params)
+    if not params:
+        return None
+    o = cfg["optim"]
+    cls = _optimizer_class(o["name"], base)
+    if o["name"] in _SHORTCUTS and o.get("kwargs"):
+        raise RecipeError(f"optim.kwargs = {o['kwargs']} takes effect only with a class name "
+                          f"(e.g. optim.name = \"{_SHORTCUTS[o['name']]}\"), not the "
+                          f"{o['name']!r} shortcut")
+    if o["name"] == "sgd":
+        kwargs = {"momentum": o["momentum"], "weight_decay": o["weight_decay"]}
+    elif o["name"] == "adam":
+        kwargs = {"weight_decay": o["weight_decay"]}
+    else:
+        kwargs = dict(o.get("kwargs") or {})
+    return _call(cls, f"optimizer {cls.__name__}", params, lr=o["lr"], **kwargs)
+
+
+def _scheduler_class(name: str, base: Path | None = None) -> type:
+    import torch
+
+    if ":" in name:
+        return resolve(name, "optim.scheduler", base)
+    sched = torch.optim.lr_scheduler
+    known = [n for n, c in vars(sched).items() if inspect.isclass(c) and n[0].isupper()
+             and n not in ("LRScheduler", "Optimizer", "Counter")]
+    if name not in known:
+        raise RecipeError(f"optim.scheduler = {name!r}: not a torch.optim.lr_scheduler class"
+                          f"{_suggest(name, known)} (or give \"package.module:Class\")")
+    return getattr(sched, name)
+
+
+_MOVED = ("lr", "momentum", "betas")  # what a scheduler may change in a group
+
+
+class Schedule:
+    """The hyperparameters of every optimizer step, as a pure function of the step.
+
+    ``optim.schedule`` (constant | cosine) sets the rate; ``optim.scheduler`` (a torch
+    scheduler class, stepped once per optimizer step) sets whatever it moves.
+    """
+
+    def __init__(self, cfg: Mapping[str, Any], total: int, base: Path | None = None) -> None:
+        import torch
+
+        o = cfg["optim"]
+        self._optim, self._total = dict(o), int(total)
+        self._values: list[list[dict[str, Any]]] = []
+        self._sched: Any = None
+        if not o.get("scheduler"):
+            if o.get("scheduler_kwargs"):
+                raise RecipeError(f"optim.scheduler_kwargs = {o['scheduler_kwargs']} takes "
+                                  f"effect only with optim.scheduler")
+            return
+        if o.get("schedule", "constant") != "constant":
+            raise RecipeError(f"optim.schedule = {o['schedule']!r} and optim.scheduler = "
+                              f"{o['scheduler']!r} both set the rate: choose one (set "
+                              f"optim.schedule = \"constant\" to keep the scheduler)")
+        cls = _scheduler_class(o["scheduler"], base)
+        if cls is torch.optim.lr_scheduler.ReduceLROnPlateau:
+            raise RecipeError("optim.scheduler = 'ReduceLROnPlateau' needs a metric each step; "
+                              "use a schedule of the step (OneCycleLR, CosineAnnealingLR, ...)")
+        kwargs = dict(o.get("scheduler_kwargs") or {})
+        try:
+            takes = inspect.signature(cls).parameters
+        except (TypeError, ValueError):
+            takes = {}
+        if "total_steps" in takes and "total_steps" not in kwargs and "epochs" not in kwargs:
+            kwargs["total_steps"] = max(self._total, 1)
+        dummy = torch.zeros(1, requires_grad=True)
+        opt = make_optimizer(cfg, [dummy], base)
+        self._opt = opt
+        self._sched = _call(cls, f"scheduler {cls.__name__}", opt, **kwargs)
+
+    def values(self, step: int) -> list[dict[str, Any]]:
+        """Each group's scheduled hyperparameters at 0-based ``step``."""
+        import warnings
+
+        while len(self._values) <= step:
+            self._values.append([{k: g[k] for k in _MOVED if k in g} for g in self._opt.param_groups])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # stepping past total_steps is the user's
+                self._opt.step()
+                try:
+                    self._sched.step()
+                except ValueError as e:  # OneCycleLR past its total_steps
+                    raise RecipeError(f"optim.scheduler {type(self._sched).__name__} at "
+                                      f"step {len(self._values)}: {e}") from None
+        return self._values[step]
+
+    def apply(self, optimizer: Any, step: int) -> None:
+        """Give ``optimizer`` the hyperparameters of 0-based ``step``: the one call before
+        every update (and before a replayed or mirrored one)."""
+        if optimizer is None:
+            return
+        if self._sched is None:
+            set_lr(optimizer, rate_at(self._optim, step, self._total))
+            return
+        values = self.values(step)[0]  # one group is scheduled (a stage's optimizer has one)
+        for group in optimizer.param_groups:
+            group.update(values)
+
+
+def make_loss(cfg: Mapping[str, Any], base: Path | None = None) -> Callable[..., Any]:
+    """The loss the last stage calls on (output, labels): ``cross_entropy`` or an import
+    string (a class, instantiated with ``model.loss_kwargs``, or a function given them).
+
+    Raises:
+        RecipeError: an unknown loss or a keyword it does not take.
+    """
+    from torch import nn
+
+    m = cfg["model"]
+    name, kwargs = m.get("loss", "cross_entropy"), dict(m.get("loss_kwargs") or {})
+    if name == "cross_entropy":
+        return _call(nn.CrossEntropyLoss, "loss cross_entropy", **kwargs)
+    if ":" not in name:
+        known = ["cross_entropy"] + [n for n in dir(nn) if n.endswith("Loss")]
+        raise RecipeError(f"model.loss = {name!r}: give \"cross_entropy\" or an import string "
+                          f"such as \"torch.nn:NLLLoss\"{_suggest(name, known)}")
+    obj = resolve(name, "model.loss", base)
+    if inspect.isclass(obj):
+        return _call(obj, f"loss {obj.__name__}", **kwargs)
+    if not callable(obj):
+        raise RecipeError(f"model.loss = {name!r} is a {type(obj).__name__}, not callable")
+    return functools.partial(obj, **kwargs) if kwargs else obj
+
+
+def checksum(module: nn.Module) -> int:
+    """CRC-32 of a module's whole state (parameters and buffers, bytes in order): equal on
+    every rank that built the same weights."""
+    import torch
+
+    crc = 0
+    for t in module.state_dict().values():
+        crc = zlib.crc32(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def describe_recipe(cfg: Mapping[str, Any]) -> str:
+    """One phrase naming the model, optimizer, schedule and loss (for the start-up line)."""
+    m, o = cfg["model"], cfg["optim"]
+    model = m["factory"] or m["name"]
+    sched = o.get("scheduler") or o.get("schedule", "constant")
+    return f"model {model}, optimizer {o['name']}, schedule {sched}, loss {m.get('loss', 'cross_entropy')}"
