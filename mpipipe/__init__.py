@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpipipe.core.version import __version__, package_version
 
-__all__ = ["Pipeline", "Route", "__version__", "package_version"]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["Pipeline", "Route", "__version__", "package_version", "sequential"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,3 +21,12 @@ def __getattr__(name: str) -> Any:
 
         return getattr(pipeline, name)
     raise AttributeError(f"module 'mpipipe' has no attribute {name!r}")
+
+
+def sequential(model: nn.Module, example_input: torch.Tensor | None = None) -> nn.Sequential:
+    """`model` as a flat nn.Sequential a pipeline can cut (see mpipipe.core.chain.sequential).
+
+    A function here, importing torch on the call, so that `import mpipipe` stays light."""
+    from mpipipe.core.chain import sequential as chain_sequential
+
+    return chain_sequential(model, example_input)

@@ -1,0 +1,188 @@
+"""A user's own model, optimizer, scheduler and loss, end to end under mpirun (issue 26).
+
+The model (tests/models/own.py) is a plain nn.Module with BatchNorm, residual adds and
+Dropout, traced into a chain; AdamW and OneCycleLR come from torch by name. Every run is
+held to a single-process reference computed here: gradient accumulation over the same
+micro-batches, BatchNorm updated once per micro-batch in order, and Dropout drawn from
+torch's generator seeded with ``micro_seed(seed, chunk, step, micro)`` before each
+chunk's forward (the pipeline's rule). Losses of every step and the final state_dict,
+BatchNorm's running statistics and counters included, agree to 1e-5. Real kills
+(ULFM); nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpipipe.core import recipe
+from mpipipe.core.launch import ROOT, run_mpi
+from mpipipe.core.runlog import open_log
+from mpipipe.pipeline.config import PIPELINE_DEFAULTS
+
+STEPS = 12
+BATCH = 32
+MICRO = 4
+SEED = 0
+OWN = ('model.factory="tests/models/own.py:own_net"', 'optim.name="AdamW"',
+       "optim.kwargs={weight_decay=0.01}", 'optim.scheduler="OneCycleLR"',
+       "optim.scheduler_kwargs={max_lr=0.02}", 'optim.schedule="constant"',
+       "model.loss_kwargs={label_smoothing=0.1}")
+
+
+STEP_LR = ('optim.scheduler="StepLR"', "optim.scheduler_kwargs={step_size=4, gamma=0.5}")
+
+
+def _cfg(step_lr: bool = False) -> dict:
+    cfg = {k: dict(v) for k, v in PIPELINE_DEFAULTS.items()}
+    cfg["model"].update(factory=str(ROOT / "tests/models/own.py") + ":own_net",
+                        loss_kwargs={"label_smoothing": 0.1})
+    cfg["optim"].update(name="AdamW", kwargs={"weight_decay": 0.01}, scheduler="OneCycleLR",
+                        scheduler_kwargs={"max_lr": 0.02}, schedule="constant")
+    if step_lr:  # a schedule that does not depend on the run's length (resume)
+        cfg["optim"].update(scheduler="StepLR", scheduler_kwargs={"step_size": 4, "gamma": 0.5})
+    return cfg
+
+
+@cache
+def _reference(digits: Path, balance: tuple[int, ...], step_lr: bool = False
+               ) -> tuple[list[float], dict]:
+    """Single-process training of STEPS steps: (losses, final state_dict)."""
+    from mpipipe.core.data import TrainBatches
+    from mpipipe.pipeline.engine import micro_seed
+    from mpipipe.pipeline.partition import split
+
+    cfg = _cfg(step_lr)
+    torch.manual_seed(SEED)
+    model = recipe.build_model(cfg, (1, 8, 8))
+    chunks = split(model, list(balance))
+    opt = recipe.make_optimizer(cfg, model.parameters())
+    schedule = recipe.Schedule(cfg, STEPS)
+    loss_fn = recipe.make_loss(cfg)
+    data = TrainBatches(digits, BATCH, seed=SEED, shuffle=True, drop_last=True, num_classes=10)
+    losses = []
+    for s in range(STEPS):
+        x, y = data.next()
+        for p in model.parameters():
+            p.grad = None
+        total = 0.0
+        for i, (xi, yi) in enumerate(zip(x.tensor_split(MICRO), y.tensor_split(MICRO), strict=True)):
+            h = xi
+            for c, chunk in enumerate(chunks):
+                torch.default_generator.manual_seed(micro_seed(SEED, c, s, i))
+                h = chunk(h)
+            loss = loss_fn(h, yi) * (len(yi) / BATCH)
+            loss.backward()
+            total += float(loss.detach())
+        schedule.apply(opt, s)
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def runs(respipe_args, tmp_path_factory):
+    """run(name, ranks, *settings, ulfm=False) -> (result, log path, checkpoint dir)."""
+    base = tmp_path_factory.mktemp("own")
+
+    @cache
+    def run(name: str, ranks: int, *settings: str, ulfm: bool = False, steps: int = STEPS,
+            resume: str = ""):
+        log = base / f"{name}.h5"
+        args = respipe_args(log, *OWN, f"pipeline.chunks={MICRO}", *settings, steps=steps,
+                            batch=BATCH)
+        if resume:
+            args += ["--resume", str(base / f"{resume}-ckpt")]
+        result = run_mpi(ranks, args, ulfm=ulfm, timeout=300)
+        return result, log, base / f"{name}-ckpt"
+
+    return run
+
+
+def _state(ckpt: Path) -> dict:
+    out: dict = {}
+    for p in sorted(ckpt.glob("stage-*.pt")):
+        out.update(torch.load(p, weights_only=False)["params"])
+    return out
+
+
+def _equals_reference(digits: Path, result, log: Path, ckpt: Path, first: int = 1,
+                      step_lr: bool = False) -> object:
+    """The run's log holds steps ``first``..STEPS with the reference's losses, and its
+    last checkpoint the reference's final state_dict."""
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run = open_log(log)
+    assert run.attrs["status"] == "completed"
+    assert [int(s) for s in run.steps["step"]] == list(range(first, STEPS + 1))
+    balance = tuple(int(b) for b in str(run.attrs["balance"]).strip("[]").split(","))
+    losses, state = _reference(digits, balance, step_lr)
+    losses = losses[first - 1:]
+    got = [float(v) for v in run.steps["loss"]]
+    assert max(abs(a - b) for a, b in zip(got, losses, strict=True)) <= 1e-5, (got, losses)
+    mine = _state(ckpt)
+    assert set(mine) == set(state)
+    assert any("running_var" in k for k in state) and any("num_batches_tracked" in k for k in state)
+    for k, want in state.items():
+        assert mine[k].dtype == want.dtype, k
+        assert torch.allclose(mine[k].double(), want.double(), atol=1e-5, rtol=0), k
+    return run
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("schedule,ranks", [("gpipe", 3), ("1f1b", 3), ("interleaved-1f1b", 2)])
+def test_the_pipeline_trains_your_model_as_one_process_would(runs, digits, schedule, ranks):
+    result, log, ckpt = runs(f"plain-{schedule}", ranks, f'pipeline.schedule="{schedule}"',
+                             f"pipeline.stages={ranks}", "resilience.backups={}")
+    _equals_reference(digits, result, log, ckpt)
+
+
+@pytest.mark.timeout(900)
+def test_respipe_without_failure_and_with_a_kill_cold_r1_and_hot_equals_the_reference(runs, digits):
+    backed = ('resilience.backups="all"', "resilience.replicate_every=1")
+    for name, settings in (("respipe", ()), ("cold-kill", ("inject:kill:stage=1:step=6",)),
+                           ("hot-kill", ('resilience.mode="hot"', "inject:kill:stage=2:step=6:micro=1"))):
+        result, log, ckpt = runs(name, 6, *backed, *settings, ulfm=True)
+        run = _equals_reference(digits, result, log, ckpt)
+        assert len(run.events_of("takeover")) == (0 if name == "respipe" else 1)
+
+
+@pytest.mark.timeout(900)
+def test_a_kill_under_r5_stays_within_the_documented_loss(runs):
+    result, log, _ = runs("cold-r5", 6, 'resilience.backups="all"', "resilience.replicate_every=5",
+                          "inject:kill:stage=1:step=8", ulfm=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = open_log(log)
+    assert run.attrs["status"] == "completed"
+    assert [int(s) for s in run.steps["step"]] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(float(v)) for v in run.steps["loss"])
+    (takeover,) = run.events_of("takeover")
+    assert 0 <= takeover["detail"]["lost_updates"] <= 4  # at most R - 1 updates of stage 1
+
+
+@pytest.mark.timeout(900)
+def test_a_resumed_run_continues_as_if_never_stopped(runs, digits):
+    # The first run stops at step 6 of 12: a schedule of the run's length (OneCycleLR)
+    # would differ between the two, so this one steps the rate every 4 steps.
+    plain = ("resilience.backups={}", *STEP_LR)
+    first, _, _ = runs("half", 3, *plain, "run.checkpoint_every=6", steps=6)
+    assert first.returncode == 0, first.stderr[-3000:]
+    result, log, ckpt = runs("resumed", 3, *plain, resume="half")
+    _equals_reference(digits, result, log, ckpt, first=7, step_lr=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_factory_that_is_not_deterministic_is_one_line(runs, tmp_path):
+    factory = tmp_path / "random_net.py"
+    factory.write_text("import random\nfrom torch import nn\n\n"
+                       "def net():\n    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))\n"
+                       "    nn.init.constant_(m[1].bias, random.random())\n    return m\n")
+    result, _, _ = runs("random", 3, f'model.factory="{factory}:net"', "resilience.backups={}",
+                        steps=2)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors and "model.factory is not deterministic" in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
