@@ -178,7 +178,8 @@ def test_a_resumed_run_continues_as_if_never_stopped(runs, digits):
 def test_a_factory_that_is_not_deterministic_is_one_line(runs, tmp_path):
     factory = tmp_path / "random_net.py"
     factory.write_text("import random\nfrom torch import nn\n\n"
-                       "def net():\n    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))\n"
+                       "def net():\n    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(),\n"
+                       "                      nn.Linear(32, 10))\n"
                        "    nn.init.constant_(m[1].bias, random.random())\n    return m\n")
     result, _, _ = runs("random", 3, f'model.factory="{factory}:net"', "resilience.backups={}",
                         steps=2)
