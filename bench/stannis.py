@@ -4,7 +4,7 @@ One host and 4 emulated CSDs train LeNet on synthetic 3x32x32 images, global
 batch 1536. The CSDs' speed is a model: each CSD step lasts 8x the least CPU
 time per sample of its recent similar steps (stannis/csd.py), not a device's
 measured speed. All figures come from one MPI job that runs the real Stannis
-trainer (`stannis.train.Trainer`): first 30 tuned steps so that HyperTune
+trainer (`stannis.trainer.Trainer`): first 30 tuned steps so that HyperTune
 converges (as it does early in any run), then five rounds, reporting medians,
 because the machine is shared and noisy and a figure measured a minute later is
 not comparable. Each round:
@@ -117,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
     from stannis.config import STANNIS_CHOICES, STANNIS_DEFAULTS, emulation, stannis_plan
     from stannis.csd import Stretch
     from stannis.energy import PowerModel
-    from stannis.train import STEP_FIGURES, Trainer, equal_split
+    from stannis.trainer import STEP_FIGURES, Trainer, equal_split
 
     # The bench owns its log (a re-run with the same --keep replaces it).
     size = SIZES[args.size]

@@ -10,7 +10,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["Pipeline", "Route", "__version__", "package_version", "sequential"]
+__all__ = ["Pipeline", "Route", "__version__", "package_version", "sequential", "train", "Result",
+           "TrainingFailed"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from mpipipe.pipeline import engine as pipeline
 
         return getattr(pipeline, name)
+    if name in ("train", "Result", "TrainingFailed"):  # the Python API (mpipipe.api)
+        from mpipipe import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'mpipipe' has no attribute {name!r}")
 
 

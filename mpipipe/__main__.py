@@ -1,4 +1,8 @@
-"""`python -m mpipipe COMMAND`: the one entry point of the pipeline system (train, cost, report, chaos, defaults)."""
+"""`python -m mpipipe COMMAND`: the one entry point of the pipeline system.
+
+Commands: train, cost, plan (a dry run: how the model is cut into stages), report, chaos,
+defaults.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from mpipipe import chaos, cost, package_version, report, train
+from mpipipe import chaos, cost, package_version, plan_command, report, train_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,8 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mpipipe {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    train.add_parser(sub)
+    train_command.add_parser(sub)
     cost.add_parser(sub)
+    plan_command.add_parser(sub)
     report.add_parser(sub)
     chaos.add_parser(sub)
     defaults = sub.add_parser("defaults", help="print the default configuration as TOML")

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import mpicount
 
     mpicount.enable()  # MPI's own byte counters for the privacy audit (before MPI_Init)
-    from .train import main as train_main
+    from .trainer import main as train_main
 
     return train_main(args)
 

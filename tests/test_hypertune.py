@@ -300,7 +300,7 @@ def _trainer_host(settle_threshold: float):
     from collections import deque
 
     from stannis.config import STANNIS_DEFAULTS
-    from stannis.train import Trainer
+    from stannis.trainer import Trainer
 
     tr = Trainer.__new__(Trainer)
     tr.cfg = {"stannis": dict(STANNIS_DEFAULTS["stannis"], global_batch=256, max_oversample=0,

@@ -22,7 +22,7 @@ Cycles: the test fails on any cycle of imports that run: module-level ones and t
 inside functions. Only imports under ``if TYPE_CHECKING:`` are left out of the cycle check
 (they never run, and with ``from __future__ import annotations`` a type may name a module
 that uses it). Why the function-local ones count: a local import is the usual way to hide a
-cycle from the interpreter, not to remove it; ``mpipipe/train.py`` and
+cycle from the interpreter, not to remove it; ``mpipipe/train_command.py`` and
 ``mpipipe/resilience.py`` importing each other (issue 15) was such a pair, and the two
 could not be understood, tested or moved one without the other. A deferred import that
 only keeps a heavy dependency (torch, h5py, matplotlib, MPI) off the import path is
@@ -39,7 +39,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mpipipe", "stannis", "native")
-COMMANDS = frozenset({"mpipipe", "mpipipe.__main__", "mpipipe.train", "mpipipe.cost", "mpipipe.report", "mpipipe.chaos",
+COMMANDS = frozenset({"mpipipe", "mpipipe.__main__", "mpipipe.train_command", "mpipipe.api", "mpipipe.cost",
+                      "mpipipe.report", "mpipipe.chaos", "mpipipe.plan_command",
                       "mpipipe.testbed", "mpipipe.linkprobe"})
 # mpipipe's layers in order; a module may import its own layer and those below.
 LAYERS = ("native", "mpipipe.core", "mpipipe.pipeline", "mpipipe.respipe", "commands")
@@ -272,6 +273,6 @@ def test_the_walker_sees_every_form_of_import(tmp_path: Path) -> None:
                    ("mpipipe.respipe.trainer", 5, "type_checking"), ("mpipipe.pipeline.engine", 7, "function"),
                    ("stannis.plots", 9, "function")]
     assert not allowed("mpipipe.core.a", "mpipipe.pipeline.engine")
-    assert not allowed("stannis.train", "mpipipe") and allowed("stannis.train", "mpipipe.core.cli")
+    assert not allowed("stannis.trainer", "mpipipe") and allowed("stannis.trainer", "mpipipe.core.cli")
     assert allowed("mpipipe.report", "stannis.plots") and not allowed("mpipipe.respipe.trainer", "stannis.plots")
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]

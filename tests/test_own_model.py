@@ -187,3 +187,74 @@ def test_a_factory_that_is_not_deterministic_is_one_line(runs, tmp_path):
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert errors and "model.factory is not deterministic" in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+_SCRIPT = """
+import json, sys, torch
+from torch import nn
+import mpipipe, stannis
+sys.path.insert(0, {root!r})
+from tests.models.own import own_net
+
+system, data, out = sys.argv[1], sys.argv[2], sys.argv[3]
+common = dict(model=own_net,  # a builder: called after run.seed seeds torch, on every rank
+              optimizer=lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.01),
+              scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps={steps}),
+              loss=nn.CrossEntropyLoss(label_smoothing=0.1), log=out + ".h5", quiet=True)
+if system == "mpipipe":
+    config = {{"run": {{"steps": {steps}, "eval_every": 0, "seed": {seed}}},
+              "data": {{"path": data, "batch_size": {batch}}},
+              "pipeline": {{"stages": 3, "chunks": {micro}}}}}
+    result = mpipipe.train(config, **common)
+else:
+    config = {{"run": {{"steps": 6}}, "data": {{"path": data}}, "stannis": {{"csds": 2}}}}
+    result = stannis.train(config, **common)
+if result.is_writer:
+    model = own_net()
+    model.load_state_dict(result.state_dict)  # the names of your own model
+    torch.save(result.state_dict, out + ".pt")
+    print("METRICS", json.dumps(result.metrics, default=str))
+"""
+
+
+def _script(tmp_path: Path) -> Path:
+    path = tmp_path / "my_training.py"
+    path.write_text(_SCRIPT.format(root=str(ROOT), steps=STEPS, seed=SEED, batch=BATCH, micro=MICRO))
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_the_python_api_trains_your_objects_as_the_configuration_would(digits, tmp_path):
+    # mpipipe.train with Python objects (a builder, lambdas, a loss module) and a dict
+    # config: the same program as the command, so the single-process reference holds,
+    # and the writer gets the whole state_dict back in the names of the user's model.
+    out = tmp_path / "api"
+    result = run_mpi(3, [str(_script(tmp_path)), "mpipipe", str(digits), str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("METRICS ")]
+    import json
+
+    metrics = json.loads(line.split(" ", 1)[1])
+    assert metrics["steps"] == STEPS and metrics["log"] == str(out) + ".h5"
+    run = open_log(str(out) + ".h5")
+    balance = tuple(int(b) for b in str(run.attrs["balance"]).strip("[]").split(","))
+    losses, state = _reference(digits, balance)
+    assert max(abs(float(a) - b) for a, b in zip(run.steps["loss"], losses, strict=True)) <= 1e-5
+    torch.manual_seed(SEED)
+    recipe.build_model(_cfg(), (1, 8, 8))
+    theirs = recipe.source_names()  # chain name -> the user's model's name
+    got = torch.load(str(out) + ".pt", weights_only=True)
+    assert set(got) == {theirs[k] for k in state}
+    for k, want in state.items():
+        assert torch.allclose(got[theirs[k]].double(), want.double(), atol=1e-5, rtol=0), k
+
+
+@pytest.mark.timeout(600)
+def test_stannis_from_python_gives_the_host_the_final_model(stannis_split, tmp_path):
+    out = tmp_path / "stannis-api"
+    result = run_mpi(3, [str(_script(tmp_path)), "stannis", str(stannis_split), str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("METRICS ")]
+    assert open_log(str(out) + ".h5").attrs["status"] == "completed"
+    got = torch.load(str(out) + ".pt", weights_only=True)
+    assert any(k.endswith("running_mean") for k in got)  # BatchNorm's statistics came back

@@ -145,7 +145,7 @@ def test_control_traffic_left_out_of_the_byte_counts_is_small(runs, name, ranks,
                                                                "neighbour-clean")])
 def test_failure_free_respipe_ends_with_the_plain_pipelines_parameters(runs, name, ranks,
                                                                        settings):
-    # The reference is the plain pipeline (mpipipe/train.py's loop, no ResPipe at all),
+    # The reference is the plain pipeline (mpipipe/train_command.py's loop, no ResPipe at all),
     # so that a shared mistake of the resilient engine cannot hide in its own reference.
     plain, _, plain_ckpt = runs("plain", 3, NO_BACKUP, ulfm=False)
     assert plain.returncode == 0, plain.stderr[-3000:]

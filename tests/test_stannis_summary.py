@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stannis.train import Trainer
+from stannis.trainer import Trainer
 
 
 def _summary(sources: dict[int, str]) -> dict:

@@ -134,14 +134,14 @@ import sys
 from stannis import mpicount
 mpicount.enable()
 from mpi4py import MPI
-import stannis.train
-compute = stannis.train.Trainer._compute
+import stannis.trainer
+compute = stannis.trainer.Trainer._compute
 def leaky(self, b):
     if self.world_rank == 1 and self.step == 3:
         x, _ = self.stream.next(1)
         MPI.COMM_WORLD.Send(x.numpy(), dest=0, tag=999)
     return compute(self, b)
-stannis.train.Trainer._compute = leaky
+stannis.trainer.Trainer._compute = leaky
 from stannis.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """

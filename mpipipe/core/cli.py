@@ -18,7 +18,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,8 @@ class Run:
     progress: Progress
     args: argparse.Namespace
     prog: str
+    result: dict[str, Any] = field(default_factory=dict)  # the summary, where the log is written
+    final_state: dict[str, Any] | None = None  # the whole model's, where one rank holds it
 
     def fail(self, error: BaseException | str) -> None:
         """Stop every rank with one error line (all ranks must reach the same verdict)."""

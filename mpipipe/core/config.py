@@ -143,7 +143,7 @@ def _check_choices(cfg: Mapping, choices: Mapping[str, tuple[str, ...]]) -> None
 
 
 def load_config(
-    path: str | Path | None,
+    path: str | Path | Mapping[str, Any] | None,
     overrides: Iterable[str] = (),
     defaults: Mapping[str, Mapping[str, Any]] | None = None,
     choices: Mapping[str, tuple[str, ...]] | None = None,
@@ -161,6 +161,9 @@ def load_config(
         raise TypeError("load_config needs the system's defaults, e.g. "
                         "mpipipe.pipeline.config.PIPELINE_DEFAULTS")
     cfg: dict[str, dict[str, Any]] = copy.deepcopy({k: dict(v) for k, v in defaults.items()})
+    if isinstance(path, Mapping):  # a configuration given as a dict (the Python API)
+        _merge_file(cfg, defaults, path, "config")
+        path = None
     if path is not None:
         p = Path(path)
         try:

@@ -34,8 +34,9 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["RecipeError", "MODEL_DEFAULTS", "OPTIM_DEFAULTS", "resolve", "anchor", "build_model", "as_chain",
-           "make_optimizer", "Schedule", "make_loss", "checksum", "describe_recipe"]
+__all__ = ["RecipeError", "give", "given", "MODEL_DEFAULTS", "OPTIM_DEFAULTS", "resolve", "anchor",
+           "build_model", "as_chain", "make_optimizer", "Schedule", "make_loss", "checksum",
+           "describe_recipe", "model_name", "source_names", "chain_keys"]
 
 MODEL_DEFAULTS: dict[str, Any] = {
     "name": "lenet",  # a shipped model (lenet | vgg | resnet), used when factory is empty
@@ -60,6 +61,24 @@ OPTIM_DEFAULTS: dict[str, Any] = {
 
 class RecipeError(ValueError):
     """A model, optimizer, scheduler or loss of the configuration cannot be built."""
+
+
+# The Python objects a script gave mpipipe.train / stannis.train (they take the place of
+# the configuration's names in this process): model (an nn.Module or a builder of one),
+# optimizer (params -> Optimizer), scheduler (Optimizer -> LRScheduler), loss.
+_GIVEN: dict[str, Any] = {}
+
+
+def give(**objects: Any) -> None:
+    """Use these Python objects instead of the configuration's names in this process
+    (``None`` leaves the configuration's); what the Python API calls before training."""
+    _GIVEN.clear()
+    _GIVEN.update({k: v for k, v in objects.items() if v is not None})
+
+
+def given(what: str) -> Any:
+    """The object a script gave for ``what`` (model, optimizer, scheduler, loss), or None."""
+    return _GIVEN.get(what)
 
 
 def _suggest(word: str, known: Sequence[str]) -> str:
@@ -166,11 +185,35 @@ def build_model(cfg: Mapping[str, Any], in_shape: Sequence[int],
         RecipeError: the factory cannot be found or called, returns no ``nn.Module``, or
             the model cannot be cut into a chain.
     """
+    chain = _build(cfg, in_shape, base)
+    _KEYS.clear()
+    _KEYS.update(chain.state_dict())
+    return chain
+
+
+_KEYS: set[str] = set()
+
+
+def chain_keys() -> set[str]:
+    """The state_dict names of the last model built in this process."""
+    return set(_KEYS)
+
+
+def _build(cfg: Mapping[str, Any], in_shape: Sequence[int], base: Path | None) -> nn.Sequential:
     from torch import nn
 
     from mpipipe.core import models
 
     m = cfg["model"]
+    _NAMES.clear()
+    if given("model") is not None:
+        model = given("model")
+        if not isinstance(model, nn.Module):
+            model = _call(model, "the model builder given to train()")
+            if not isinstance(model, nn.Module):
+                raise RecipeError(f"the model builder given to train() returned a "
+                                  f"{type(model).__name__}, not an nn.Module")
+        return as_chain(model, in_shape)
     if not m.get("factory"):
         if m.get("kwargs"):
             raise RecipeError(f"model.kwargs = {m['kwargs']} takes effect only with "
@@ -202,9 +245,23 @@ def as_chain(model: nn.Module, in_shape: Sequence[int]) -> nn.Sequential:
     from mpipipe.core.chain import ChainError, sequential
 
     try:
-        return sequential(model, torch.zeros(2, *in_shape))
+        chain = sequential(model, torch.zeros(2, *in_shape))
     except ChainError as e:
         raise RecipeError(str(e)) from None
+    # The chain's state_dict names are its own ("3.block1.conv1.weight"); the same tensors
+    # have the user's names in their model: kept, so a result can be given back in those.
+    theirs = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
+    _NAMES.update({name: theirs[id(t)] for name, t in chain.state_dict(keep_vars=True).items()
+                   if id(t) in theirs})
+    return chain
+
+
+_NAMES: dict[str, str] = {}
+
+
+def source_names() -> dict[str, str]:
+    """The last chain built in this process: its state_dict name -> the user's model's."""
+    return dict(_NAMES)
 
 
 _SHORTCUTS = {"sgd": "SGD", "adam": "Adam"}
@@ -238,6 +295,8 @@ def make_optimizer(cfg: Mapping[str, Any], params: Any,
     params = list(params)
     if not params:
         return None
+    if given("optimizer") is not None:
+        return _call(given("optimizer"), "the optimizer given to train()", params)
     o = cfg["optim"]
     cls = _optimizer_class(o["name"], base)
     if o["name"] in _SHORTCUTS and o.get("kwargs"):
@@ -284,6 +343,10 @@ class Schedule:
         self._optim, self._total = dict(o), int(total)
         self._values: list[list[dict[str, Any]]] = []
         self._sched: Any = None
+        if given("scheduler") is not None:
+            self._opt = make_optimizer(cfg, [torch.zeros(1, requires_grad=True)], base)
+            self._sched = _call(given("scheduler"), "the scheduler given to train()", self._opt)
+            return
         if not o.get("scheduler"):
             if o.get("scheduler_kwargs"):
                 raise RecipeError(f"optim.scheduler_kwargs = {o['scheduler_kwargs']} takes "
@@ -347,6 +410,8 @@ def make_loss(cfg: Mapping[str, Any], base: Path | None = None) -> Callable[...,
     """
     from torch import nn
 
+    if given("loss") is not None:
+        return given("loss")
     m = cfg["model"]
     name, kwargs = m.get("loss", "cross_entropy"), dict(m.get("loss_kwargs") or {})
     if name == "cross_entropy":
@@ -374,9 +439,14 @@ def checksum(module: nn.Module) -> int:
     return crc
 
 
+def model_name(cfg: Mapping[str, Any]) -> str:
+    """What to call the model in messages: "your model", the factory, or the shipped name."""
+    return "your model" if given("model") is not None else cfg["model"]["factory"] or cfg["model"]["name"]
+
+
 def describe_recipe(cfg: Mapping[str, Any]) -> str:
     """One phrase naming the model, optimizer, schedule and loss (for the start-up line)."""
     m, o = cfg["model"], cfg["optim"]
-    model = m["factory"] or m["name"]
+    model = model_name(cfg)
     sched = o.get("scheduler") or o.get("schedule", "constant")
     return f"model {model}, optimizer {o['name']}, schedule {sched}, loss {m.get('loss', 'cross_entropy')}"

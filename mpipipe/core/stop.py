@@ -268,6 +268,14 @@ def all_reach(comm: Any, seconds: float) -> bool:
         return False
 
 
+def exit_at_end(code: int) -> None:
+    """Leave without MPI_Finalize once the script ends (the Python API after a takeover):
+    registered after mpi4py's own exit hook, so it runs first."""
+    import atexit
+
+    atexit.register(flush_and_exit, code)
+
+
 def flush_and_exit(code: int) -> None:
     """Leave without MPI_Finalize (ResPipe: requests to peers that stopped may be pending)."""
     sys.stdout.flush()

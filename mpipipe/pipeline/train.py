@@ -1,7 +1,7 @@
 """Plain pipeline training: set-up, the loop, evaluation, the log and checkpoints.
 
 ResPipe (:mod:`mpipipe.respipe.trainer`) reuses the set-up and wraps the loop; the
-`train` command (:mod:`mpipipe.train`) picks one of the two."""
+`train` command (:mod:`mpipipe.train_command`) picks one of the two."""
 
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     elif not balance:
         if v * k > len(model):
             run.fail(f"pipeline.stages = {k}" + (f" with {v} chunks each" if v > 1 else "")
-                     + f" but model {cfg['model']['factory'] or cfg['model']['name']} has only "
+                     + f" but model {recipe.model_name(cfg)} has only "
                      f"{len(model)} layers")
         if cfg["pipeline"]["balance_by"] == "params":
             balance = balance_by_params(model, k, v, m)
@@ -371,8 +371,9 @@ def train(run: Run) -> int:
     ckpt_every = cfg["run"]["checkpoint_every"]
     batch = cfg["data"]["batch_size"]
     if run.rank == 0:
-        model = cfg["model"]["factory"] or cfg["model"]["name"]
-        progress.message(f"{model} in {s.pipe.k} stages, balance "
+        from mpipipe.core.recipe import model_name
+
+        progress.message(f"{model_name(cfg)} in {s.pipe.k} stages, balance "
                          f"{s.pipe.balance}, {cfg['pipeline']['schedule']}, "
                          f"{s.pipe.chunks} micro-batches of ~{batch // s.pipe.chunks}")
     loss = math.nan
@@ -423,6 +424,8 @@ def train(run: Run) -> int:
         "log": str(log.path) if log.active else "",
     }
     log.set_attr("summary", summary)
+    if log.active:  # the writer's: what the Python API gives back
+        run.result.update(summary)
     if run.rank == 0:
         progress.summary(**summary)  # printed under --quiet too
     # A log that lacks rows it should hold ends as "incomplete: ...", and so does the run.

@@ -194,11 +194,15 @@ def train(run: Any) -> int:
             "log": str(log.path),
         }
         log.set_attr("summary", summary)
+        run.result.update(summary)
         progress.summary(**summary)  # printed under --quiet too
         code = 0 if _close_log(run, "completed") else 1
     if result["takeovers"] or result["generation"]:
         # A replaced rank leaves without MPI_Finalize (see Demoted above), and a killed
         # one never reaches it; the world-wide agreement inside Finalize was seen to wait
         # for such a rank now and then. Everything is written and closed: leave as well.
+        if getattr(run.args, "api", False):  # a script goes on: leave when it ends
+            stop.exit_at_end(code)
+            return code
         stop.flush_and_exit(code)
     return code

@@ -755,6 +755,7 @@ class Trainer:
             "control_bytes": FIG_BYTES + STOP_BYTES,
         }
         self.log.set_attr("summary", summary)
+        self.run.result.update(summary)
         self.run.progress.summary(steps=self.step, samples_per_s=summary["samples_per_s"],
                                   samples_per_joule=summary["samples_per_joule"],
                                   accuracy=accuracy, log=str(self.run.log.path))
@@ -765,6 +766,7 @@ def main(args: argparse.Namespace) -> int:
     run = start_run(args, prog=PROG, system="stannis", defaults=STANNIS_DEFAULTS,
                     choices=STANNIS_CHOICES, build_plan=stannis_plan,
                     inject_key=("stannis", "inject"), emulation=emulation)
+    args.started = run  # the Python API reads the result from it
     run.comm.Set_errhandler(MPI.ERRORS_RETURN)
     trainer = None
     try:
@@ -811,9 +813,14 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         stop.flush_and_exit(1)
     run.log.close()
+    if trainer.is_host:
+        run.final_state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     if len(trainer.members) < run.size:
         # A CSD was dropped: under ULFM, MPI_Finalize runs an agreement over the whole
         # world, which was seen to wait for the dead rank now and then (as in ResPipe).
         # Everything is written and closed by now: leave without it.
+        if getattr(args, "api", False):  # a script goes on: leave when it ends
+            stop.exit_at_end(0)
+            return 0
         stop.flush_and_exit(0)
     return 0

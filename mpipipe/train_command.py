@@ -60,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
     run = start_run(args, prog=PROG, system="mpipipe", defaults=PIPELINE_DEFAULTS,
                     choices=PIPELINE_CHOICES, build_plan=pipeline_plan,
                     total_steps=planned_steps, check_hosts=check_hosts)
+    args.started = run  # the Python API reads the result from it
     with set_aside(run) as run:
         if run is None:
             return 0  # a spare rank: it idled until the job ended

@@ -1,0 +1,285 @@
+"""`python -m mpipipe plan`: a dry run that shows how a configuration's model is cut into stages.
+
+Why: a pipeline run only says how it cut the model once MPI is up and every rank has
+built it; a factory that fx cannot trace, a balance that does not add up or a stage
+that is far heavier than the others should be seen before asking a cluster for ranks.
+This command builds the model exactly as a training run does (same configuration
+loader, seed and :func:`mpipipe.core.recipe.build_model`), cuts it with the run's
+partitioner, and prints every layer of the chain and, per stage, its layers, parameter
+count, buffer bytes, the activation bytes it sends on and the exact bytes of its replica
+(:func:`mpipipe.core.statecodec.layout_of`, the size of the message a backup receives).
+It needs no MPI and never imports mpi4py.
+
+When ``pipeline.balance`` is empty and ``pipeline.balance_by = "time"`` a run measures
+layer times on rank 0; a dry run cannot, so it balances by parameters and says so (as
+``python -m mpipipe cost`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["StagePlan", "ModelPlan", "add_parser", "plan_main", "build_plan", "format_plan"]
+
+PROG = "python -m mpipipe plan"
+TIME_NOTE = "by parameters; the run balances by measured time and may cut elsewhere"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of the cut: what it holds and what it sends.
+
+    ``layers`` are the half-open layer ranges of its chunks, in the stage's chunk order
+    (one range per stage, several with an interleaved schedule); ``activations`` are the
+    bytes per sample each chunk sends forward (0 for the model's last chunk, whose output
+    goes to the loss); ``replica_bytes`` is the exact size of a replica of the stage
+    (parameters, persistent buffers and optimizer state).
+    """
+
+    stage: int
+    layers: list[tuple[int, int]]
+    params: int
+    param_bytes: int
+    buffer_bytes: int
+    optimizer_state_bytes: int
+    activations: list[int]
+    replica_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The whole dry run: the model's chain and its cut into stages."""
+
+    model: str
+    input_shape: list[int]
+    input_bytes: int
+    layers: list[str]  # one line per layer (mpipipe.core.chain.describe)
+    layer_params: list[int]
+    num_stages: int
+    chunks_per_stage: int
+    schedule: str
+    balance: list[int]
+    balance_source: str  # "pipeline.balance", "params" or "params-instead-of-time"
+    optimizer: str
+    stages: list[StagePlan] = field(default_factory=list)
+
+    @property
+    def params(self) -> int:
+        return sum(self.layer_params)
+
+    def as_json(self) -> dict[str, Any]:
+        """The plan as plain JSON values (what ``--json`` prints)."""
+        out = asdict(self)
+        for s in out["stages"]:
+            s["layers"] = [list(r) for r in s["layers"]]
+        out["params"] = self.params
+        out["replica_bytes_total"] = sum(s.replica_bytes for s in self.stages)
+        return out
+
+
+def _in_shape(cfg: Mapping[str, Any], arg: str | None) -> tuple[int, int, int]:
+    """The input's (C, H, W): from ``--in-shape`` or, as a run reads it, from the data set."""
+    if arg:
+        try:
+            shape = tuple(int(v) for v in arg.split(","))
+        except ValueError:
+            shape = ()
+        if len(shape) != 3 or min(shape) < 1:
+            raise ValueError(f"--in-shape {arg!r}: give three positive integers C,H,W, e.g. 1,8,8")
+        return shape  # type: ignore[return-value]
+    from mpipipe.core import data
+
+    try:
+        return data.image_shape(cfg["data"]["path"])
+    except data.DataError as e:
+        raise ValueError(f"{e} (or pass --in-shape C,H,W)") from None
+
+
+def _choose_balance(cfg: Mapping[str, Any], model: Any, k: int, v: int) -> tuple[list[int], str]:
+    """The balance the run would use, with the same checks the run makes before cutting."""
+    from mpipipe.pipeline.partition import balance_by_params, check_balance
+
+    p = cfg["pipeline"]
+    name = cfg["model"]["factory"] or cfg["model"]["name"]
+    if p["balance"]:
+        balance, source = check_balance(model, p["balance"]), "pipeline.balance"
+    else:
+        if v * k > len(model):
+            raise ValueError(f"pipeline.stages = {k}" + (f" with {v} chunks each" if v > 1 else "")
+                             + f" but model {name} has only {len(model)} layers")
+        balance = balance_by_params(model, k, v, p["chunks"])
+        source = "params" if p["balance_by"] == "params" else "params-instead-of-time"
+    if len(balance) != v * k:
+        raise ValueError(f"pipeline.balance = {balance} has {len(balance)} entries for "
+                         f"pipeline.stages = {k}" + (f" x {v} chunks" if v > 1 else ""))
+    return balance, source
+
+
+def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> ModelPlan:
+    """Build ``cfg``'s model as a run does and cut it as the run would.
+
+    Raises:
+        ValueError: any bad input, with a one-line message: an unreadable data set, a
+            factory that cannot be imported or traced (RecipeError), a balance that does
+            not fit, more stages than layers, an optimizer that cannot be built.
+    """
+    import torch
+
+    from mpipipe.core import recipe
+    from mpipipe.core.chain import describe
+    from mpipipe.core.statecodec import layout_of
+    from mpipipe.pipeline.config import chunks_per_stage
+    from mpipipe.pipeline.partition import split, stage_modules
+    from mpipipe.respipe.costmodel import stage_shapes
+
+    in_shape = _in_shape(cfg, in_shape_arg)
+    k = cfg["pipeline"]["stages"]
+    if k < 1:
+        raise ValueError(f"pipeline.stages = {k}: a pipeline has at least one stage")
+    v = chunks_per_stage(cfg)
+    torch.manual_seed(cfg["run"]["seed"])  # as training does: the same weights on every rank
+    model = recipe.build_model(cfg, in_shape)
+    balance, source = _choose_balance(cfg, model, k, v)
+    chunks = split(model, balance)
+
+    def make_optimizer(params: list[Any]) -> Any:
+        return recipe.make_optimizer(cfg, params)
+
+    try:
+        shapes, in_bytes = stage_shapes(chunks, in_shape, make_optimizer, stages=k)
+    except RuntimeError as e:  # a chunk that cannot run on this input (a wrong --in-shape)
+        raise ValueError(f"model {cfg['model']['factory'] or cfg['model']['name']} does not run "
+                         f"on input {in_shape}: {e}") from None
+    starts = [sum(balance[:c]) for c in range(len(balance))]
+    stages = []
+    for s, module in enumerate(stage_modules(chunks, k)):  # the modules a run replicates
+        params = list(module.parameters())
+        lay = layout_of(module, make_optimizer(params) if params else None)
+        buffers = sum(t.numel() * t.element_size() for t in module.state_dict(keep_vars=True).values()
+                      if not isinstance(t, torch.nn.Parameter))
+        mine = range(s, len(balance), k)
+        stages.append(StagePlan(
+            stage=s,
+            layers=[(starts[c], starts[c] + balance[c]) for c in mine],
+            params=sum(p.numel() for p in params),
+            param_bytes=lay.param_bytes,
+            buffer_bytes=buffers,
+            optimizer_state_bytes=lay.nbytes - lay.param_bytes - buffers,
+            activations=list(shapes[s].chunk_acts),
+            replica_bytes=lay.nbytes,
+        ))
+    return ModelPlan(
+        model=cfg["model"]["factory"] or cfg["model"]["name"],
+        input_shape=list(in_shape),
+        input_bytes=in_bytes,
+        layers=describe(model),
+        layer_params=[sum(p.numel() for p in layer.parameters()) for layer in model],
+        num_stages=k,
+        chunks_per_stage=v,
+        schedule=cfg["pipeline"]["schedule"],
+        balance=balance,
+        balance_source=source,
+        optimizer=cfg["optim"]["name"],
+        stages=stages,
+    )
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:
+    """Aligned columns; ``align`` has one letter per column: "l" (names) or "r" (numbers)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
+                         for c, w, a in zip(cells, widths, align, strict=True)).rstrip()
+
+    return [line(head), *(line(r) for r in rows)]
+
+
+def format_plan(plan: ModelPlan) -> str:
+    """The plan as aligned text (what ``python -m mpipipe plan`` prints)."""
+    stage_of = {}
+    for st in plan.stages:
+        for a, b in st.layers:
+            stage_of.update(dict.fromkeys(range(a, b), st.stage))
+    buffers = sum(s.buffer_bytes for s in plan.stages)
+    shape = "x".join(map(str, plan.input_shape))
+    out = [f"model {plan.model}: {len(plan.layers)} layers, {plan.params:,} parameters, "
+           f"{buffers:,} bytes of buffers; input {shape} ({plan.input_bytes:,} bytes/sample)"]
+    rows = []
+    for i, text in enumerate(plan.layers):
+        _, _, rest = text.partition(": ")
+        name, _, what = rest.partition(" (")
+        rows.append((str(i), str(stage_of.get(i, "?")), name, f"({what}" if what else ""))
+    out += ["  " + r for r in _table(("layer", "stage", "name", "holds"), rows, "rrll")]
+    chunks = f", {plan.chunks_per_stage} chunks per stage" if plan.chunks_per_stage > 1 else ""
+    how = {"pipeline.balance": "from pipeline.balance", "params": "by parameters",
+           "params-instead-of-time": TIME_NOTE}[plan.balance_source]
+    out.append(f"{plan.num_stages} stages ({plan.schedule}{chunks}), balance {plan.balance} ({how})")
+    rows = []
+    for st in plan.stages:
+        ranges = "/".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in st.layers)
+        acts = "/".join(f"{n:,}" if n else "-" for n in st.activations)
+        rows.append((str(st.stage), ranges, f"{st.params:,}", f"{st.buffer_bytes:,}", acts,
+                     f"{st.optimizer_state_bytes:,}", f"{st.replica_bytes:,}"))
+    rows.append(("all", "", f"{plan.params:,}", f"{buffers:,}", "",
+                 f"{sum(s.optimizer_state_bytes for s in plan.stages):,}",
+                 f"{sum(s.replica_bytes for s in plan.stages):,}"))
+    out += ["  " + r for r in _table(
+        ("stage", "layers", "params", "buffers (B)", "activation out (B/sample)",
+         f"optimizer state (B, {plan.optimizer})", "replica (B)"), rows, "rlrrrrr")]
+    out.append("activation out: bytes per sample each chunk sends on (\"-\": the model's output, "
+               "not sent);")
+    out.append("replica: the exact bytes a backup receives (parameters, buffers, optimizer state).")
+    return "\n".join(out)
+
+
+# -- `python -m mpipipe plan` ------------------------------------------------------------------
+
+EPILOG = """\
+example:
+  python -m mpipipe plan --config jobs/configs/respipe-digits.toml \\
+      --set model.factory="tests/models/own.py:own_net" --in-shape 1,8,8
+
+Prints every layer of the chain (the units a balance counts) and, per stage, its
+layers, parameters, buffer bytes, activation bytes per sample it sends on, and the
+exact bytes of its replica. With an empty pipeline.balance and balance_by = "time"
+the dry run balances by parameters (a run measures times and may cut elsewhere).
+Exit status 2, with one line on stderr, when the configuration cannot be run."""
+
+
+def add_parser(subparsers: Any) -> Any:
+    """Register ``plan`` on the ``python -m mpipipe`` dispatcher."""
+    parser = subparsers.add_parser(
+        "plan", help="show how the model is cut into stages, before a run (no MPI needed)",
+        description="Dry run: build the configuration's model exactly as a training run does\n"
+                    "and print its layers and the per-stage cut, before launching MPI.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration (jobs/configs/)")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="override one configuration key (repeatable)")
+    parser.add_argument("--in-shape", metavar="C,H,W",
+                        help="input shape, if the data set is not there to read it from")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    parser.set_defaults(func=plan_main)
+    return parser
+
+
+def plan_main(args: Any) -> int:
+    """Body of ``python -m mpipipe plan``; exit status 2 with one line on any bad input."""
+    from mpipipe.core.config import load_config
+    from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
+
+    try:
+        cfg = load_config(args.config, args.set, PIPELINE_DEFAULTS, PIPELINE_CHOICES)
+        plan = build_plan(cfg, args.in_shape)
+    except ValueError as e:  # ConfigError, RecipeError, ChainError, DataError, StateError
+        message = " ".join(str(e).split())  # one line, whatever the message held
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.as_json()) if args.json else format_plan(plan))
+    return 0

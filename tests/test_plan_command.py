@@ -1,0 +1,149 @@
+"""`python -m mpipipe plan`: the dry run shows the cut a run would make, with exact bytes.
+
+Why these checks: a user reads the plan to decide a balance and to size replicas, so every
+layer must be listed, and the replica bytes must be those a backup receives
+(:func:`mpipipe.core.statecodec.layout_of` of the stage module, computed here on a model
+built independently with the same seed). Bad input must be one line and exit 2, and the
+command must run where MPI is absent (mpi4py never imported).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpipipe.__main__ import main
+from mpipipe.core import recipe
+from mpipipe.core.chain import describe
+from mpipipe.core.config import load_config
+from mpipipe.core.statecodec import layout_of
+from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
+from mpipipe.pipeline.partition import balance_by_params, split, stage_modules
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "jobs/configs/respipe-digits.toml"
+OWN = 'model.factory="tests/models/own.py:own_net"'
+ARGS = ["plan", "--config", CONFIG, "--set", OWN, "--in-shape", "1,8,8"]
+PREFIX = "python -m mpipipe plan: error: "
+
+
+@pytest.fixture(autouse=True)
+def _at_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The factory path is relative to the project, as a user at its root writes it."""
+    monkeypatch.chdir(ROOT)
+
+
+def _expected(*sets: str) -> tuple[torch.nn.Sequential, list[int], list[torch.nn.Module], list[int]]:
+    """The model, balance, stage modules and replica bytes, built here as a run would."""
+    cfg = load_config(CONFIG, [OWN, *sets], PIPELINE_DEFAULTS, PIPELINE_CHOICES)
+    torch.manual_seed(cfg["run"]["seed"])
+    model = recipe.build_model(cfg, (1, 8, 8))
+    p = cfg["pipeline"]
+    v = 2 if p["schedule"] == "interleaved-1f1b" else 1
+    balance = list(p["balance"]) or balance_by_params(model, p["stages"], v, p["chunks"])
+    stages = stage_modules(split(model, balance), p["stages"])
+    nbytes = []
+    for module in stages:
+        params = list(module.parameters())
+        nbytes.append(layout_of(module, recipe.make_optimizer(cfg, params)).nbytes)
+    return model, balance, stages, nbytes
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _stage_rows(out: str) -> dict[str, list[str]]:
+    """The stage table's rows by their first cell ("0", "1", ..., "all")."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["stage", "layers"])
+    rows = {}
+    for line in lines[start + 1:]:
+        cells = line.split()
+        if not cells or not (cells[0].isdigit() or cells[0] == "all"):
+            break
+        rows[cells[0]] = cells
+    return rows
+
+
+def test_table_lists_every_layer_and_exact_replica_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    model, balance, stages, nbytes = _expected()
+    rc, out, err = _run(ARGS, capsys)
+    assert rc == 0 and err == ""
+    for line in describe(model):  # "3: block1 (7 ops, 1,184 params)"
+        index, _, rest = line.partition(": ")
+        name = rest.partition(" (")[0]
+        assert any(row.split()[:1] == [index] and name in row.split() for row in out.splitlines()), line
+    assert f"balance {balance}" in out
+    rows = _stage_rows(out)
+    assert len(rows) == len(stages) + 1
+    for s, module in enumerate(stages):
+        cells = rows[str(s)]
+        assert int(cells[-1].replace(",", "")) == nbytes[s]
+        buffers = int(cells[3].replace(",", ""))
+        has_bn = any(isinstance(m, torch.nn.BatchNorm2d) for m in module.modules())
+        assert (buffers > 0) == has_bn, (s, cells)
+    assert int(rows["all"][-1].replace(",", "")) == sum(nbytes)
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in stages[0].modules())
+
+
+def test_json_replica_bytes_sum_to_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    model, balance, _, nbytes = _expected()
+    rc, out, _ = _run([*ARGS, "--json"], capsys)
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["balance"] == balance
+    assert len(plan["layers"]) == len(model)
+    assert [s["replica_bytes"] for s in plan["stages"]] == nbytes
+    assert sum(s["replica_bytes"] for s in plan["stages"]) == plan["replica_bytes_total"] == sum(nbytes)
+    for s in plan["stages"]:  # the replica is parameters, buffers and optimizer state
+        assert s["param_bytes"] + s["buffer_bytes"] + s["optimizer_state_bytes"] == s["replica_bytes"]
+
+
+def test_interleaved_stage_holds_several_ranges(capsys: pytest.CaptureFixture[str]) -> None:
+    sets = ['pipeline.schedule="interleaved-1f1b"', "pipeline.stages=2", 'pipeline.balance_by="time"',
+            'optim.name="adam"']
+    model, balance, _, nbytes = _expected(*sets)
+    rc, out, _ = _run([*ARGS, *[a for s in sets for a in ("--set", s)], "--json"], capsys)
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["balance"] == balance and plan["chunks_per_stage"] == 2
+    assert plan["balance_source"] == "params-instead-of-time"
+    covered = sorted(i for s in plan["stages"] for a, b in s["layers"] for i in range(a, b))
+    assert covered == list(range(len(model)))
+    assert all(len(s["layers"]) == 2 for s in plan["stages"])
+    assert [s["replica_bytes"] for s in plan["stages"]] == nbytes
+    rc, out, _ = _run([*ARGS, *[a for s in sets for a in ("--set", s)]], capsys)
+    assert "the run balances by measured time and may cut elsewhere" in out
+
+
+@pytest.mark.parametrize("extra", [
+    ["--set", 'model.factory="tests/models/no_such_file.py:own_net"'],
+    ["--set", "pipeline.balance=[4, 4, 4]"],  # 12 layers for a 9-layer model
+    ["--set", "pipeline.stages=10"],  # more stages than layers
+    ["--set", "pipline.stages=3"],  # unknown key
+    ["--in-shape", "1,8"],
+])
+def test_bad_input_is_one_line_and_exit_2(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run([*ARGS, *extra], capsys)
+    assert rc == 2
+    assert out == ""
+    assert err.startswith(PREFIX) and err.count("\n") == 1, err
+
+
+def test_never_imports_mpi4py() -> None:
+    """A fresh interpreter, so no other test or pytest plugin has imported it first."""
+    code = ("import sys\nfrom mpipipe.__main__ import main\n"
+            f"rc = main({ARGS!r} + ['--json'])\n"
+            "print('MPI4PY', 'mpi4py' in sys.modules, rc)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "MPI4PY False 0"
