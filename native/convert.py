@@ -1,22 +1,23 @@
-"""Convert image data sets (digits, CIFAR-10 binary, MNIST IDX, npz, synthetic) into shard data sets.
+"""Convert image data into shard data sets: digits, CIFAR-10 binary, MNIST IDX, npz, synthetic,
+a folder of images (one subfolder per class) and any map-style (torch) Dataset.
 
-Every converter writes OUT/train and OUT/test, each a data set directory
-(shards + manifest.json) with fields `image` (per-record shape C,H,W) and
-`label` (int64).
+Every converter writes OUT/train and OUT/test (the dataset source may write one
+of them), each a data set directory (shards + manifest.json) with fields
+`image` (per-record shape C,H,W) and `label` (int64).
 
 The data sets are written into a hidden directory beside OUT and renamed into
 place only when both are complete, so a failed or interrupted conversion leaves
 OUT exactly as it was. An OUT that already holds train/ or test/ is refused
 unless --overwrite is given (then only those two are replaced; anything else in
-OUT is kept).
+OUT is kept). The folder and dataset sources stream (see native.ingest); the
+others load their input whole, as it comes in one file.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import os
-import shutil
+import json
 import signal
 import sys
 import threading
@@ -27,41 +28,28 @@ from pathlib import Path
 
 import numpy as np
 
+from .ingest import (
+    SPLITS,
+    ConvertError,
+    Interrupted,
+    Summary,
+    check_out,
+    convert_folder,
+    dataset_from_spec,
+    on_signal,
+    parse_size,
+    split_holdout,
+    staged,
+    write_dataset,
+)
 from .reader import open_dataset
 from .schema import describe
-from .writer import DatasetWriter, fsync_dir
+from .writer import DatasetWriter
 
 CIFAR_RECORD = 1 + 3 * 32 * 32
 IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 CHUNK = 16384
-SPLITS = ("train", "test")
 NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip archive (np.savez), possibly empty
-
-
-class ConvertError(ValueError):
-    """Input that a converter cannot use; the message names the file and what is wrong."""
-
-
-def split_holdout(
-    n: int, fraction: float, seed: int, labels: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic (train, test) index split; stratified by label when labels are given,
-    so every class appears in the held-out set. Both come back shuffled."""
-    if not 0.0 < fraction < 1.0:
-        raise ConvertError(f"--test-fraction must be between 0 and 1, got {fraction}")
-    rng = np.random.default_rng(seed)
-    if labels is None:
-        perm = rng.permutation(n)
-        k = max(1, round(n * fraction))
-        return perm[k:], perm[:k]
-    train, test = [], []
-    for c in np.unique(labels):
-        members = rng.permutation(np.flatnonzero(labels == c))
-        k = max(1, round(len(members) * fraction)) if len(members) > 1 else 0
-        test.append(members[:k])
-        train.append(members[k:])
-    tr, te = np.concatenate(train), np.concatenate(test)
-    return rng.permutation(tr), rng.permutation(te)
 
 
 def write_split(out: Path, name: str, images: np.ndarray, labels: np.ndarray, shard_records: int | None) -> Path:
@@ -315,6 +303,30 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _size(text: str) -> tuple[int, int]:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected class names separated by commas, got {text!r}")
+    return names
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"train\": true}}', got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m native.convert",
@@ -331,30 +343,33 @@ def build_parser() -> argparse.ArgumentParser:
         "      --test-images t10k-images-idx3-ubyte.gz --test-labels t10k-labels-idx1-ubyte.gz\n"
         "  python -m native.convert npz mnist.npz data/mnist\n"
         "  python -m native.convert synthetic --shape 3,32,32 --count 200000 data/synthetic\n"
+        "  python -m native.convert folder photos/ data/photos --size 64 --holdout 0.1\n"
+        "  python -m native.convert dataset mydata:make data/mine --kwargs '{\"train\": true}'\n"
         "run `python -m native.convert SOURCE --help` for the options of a source",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
+    io = argparse.ArgumentParser(add_help=False)  # what every source has
+    io.add_argument(
         "--shard-records",
         type=int,
         default=None,
         metavar="N",
         help="records per shard file (default: about 64 MB per shard)",
     )
-    common.add_argument("--seed", type=int, default=0, help="seed of the deterministic held-out split (default 0)")
+    io.add_argument("--seed", type=int, default=0, help="seed of the deterministic held-out split (default 0)")
+    io.add_argument("--quiet", action="store_true", help="print nothing on success")
+    io.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT/train and OUT/test if they exist (other files in OUT are kept)",
+    )
+    common = argparse.ArgumentParser(add_help=False, parents=[io])
     common.add_argument(
         "--test-fraction",
         type=float,
         default=0.2,
         metavar="F",
         help="held-out share when the input has no test split (default 0.2)",
-    )
-    common.add_argument("--quiet", action="store_true", help="print nothing on success")
-    common.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace OUT/train and OUT/test if they exist (other files in OUT are kept)",
     )
     sub = p.add_subparsers(dest="source", required=True, metavar="SOURCE")
 
@@ -458,6 +473,95 @@ def build_parser() -> argparse.ArgumentParser:
         default="uint8",
         help="stored image type; float32 scales to [0,1] (default uint8)",
     )
+
+    s = sub.add_parser(
+        "folder",
+        parents=[io],
+        help="a folder of images, one subfolder per class (torchvision's ImageFolder layout)",
+        description="Images in SRC/<class>/... (subfolders too; .jpg .jpeg .png .ppm .bmp .pgm .tif "
+        ".tiff .webp), decoded with Pillow one at a time and streamed into OUT/train and OUT/test: "
+        "image uint8 (C,H,W), label int64 = the class's index in the sorted class folder names (or in "
+        "--classes). The class names are stored in each manifest (native.classes_of reads them) and "
+        "each record's file in sources.jsonl. Directory symlinks inside class folders are not followed.",
+        epilog="size rule: scale the image by max(H/h, W/w) (Pillow BILINEAR), so it covers HxW "
+        "without stretching, then cut the centre HxW; for a square size this is \"shorter side to "
+        "the size, then centre crop\". colour: --color auto stores one channel (L) when every "
+        "image's header says grayscale, otherwise RGB; alpha is dropped. holdout: a seeded share of "
+        "each class goes to OUT/test.",
+    )
+    s.add_argument("src", type=Path, metavar="SRC", help="the folder holding one subfolder per class")
+    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
+    s.add_argument(
+        "--size",
+        type=_size,
+        default=None,
+        metavar="H[xW]",
+        help="bring every image to H x W (default: keep the size, which must then be the same for all)",
+    )
+    s.add_argument(
+        "--holdout",
+        "--test-fraction",
+        dest="test_fraction",
+        type=float,
+        default=0.2,
+        metavar="F",
+        help="share of each class held out into OUT/test (default 0.2)",
+    )
+    s.add_argument(
+        "--classes",
+        type=_names,
+        default=None,
+        metavar="a,b,...",
+        help="take only these class folders, labelled 0, 1, ... in this order (default: all, sorted)",
+    )
+    s.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="skip images that cannot be decoded (each named on stderr, counted in the summary) "
+        "instead of stopping at the first",
+    )
+    s.add_argument(
+        "--color",
+        choices=["auto", "rgb", "gray"],
+        default="auto",
+        help="rgb (3 channels), gray (1) or auto: gray only if every image is single-channel (default)",
+    )
+
+    s = sub.add_parser(
+        "dataset",
+        parents=[io],
+        help="any map-style (torch) Dataset of (image tensor, int label)",
+        description="Call FACTORY (\"package.module:function\", the current directory on the import "
+        "path, or \"path/to/file.py:function\") with --kwargs; it returns a map-style Dataset whose "
+        "items are (image, label): image a tensor or array C,H,W, uint8 or float in [0,1] (stored as "
+        "round(x*255)), all of one shape; label an int. Items are read one at a time in a seeded "
+        "shuffled order and streamed into OUT/train (and OUT/test with --holdout).",
+    )
+    s.add_argument("spec", metavar="FACTORY", help="package.module:function or path/to/file.py:function")
+    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
+    s.add_argument(
+        "--kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="keyword arguments of FACTORY as a JSON object, e.g. '{\"train\": false}'",
+    )
+    s.add_argument(
+        "--holdout",
+        "--test-fraction",
+        dest="test_fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="share held out into OUT/test (stratified if the Dataset has .targets); default 0: "
+        "everything goes to OUT/SPLIT",
+    )
+    s.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="train",
+        help="where everything goes without --holdout (default train; write a test Dataset with --split test)",
+    )
     return p
 
 
@@ -512,69 +616,6 @@ def load(args: argparse.Namespace) -> tuple[tuple[np.ndarray, np.ndarray], tuple
     return train, test
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an OUT that is not a directory, or that already holds a data set without
-    --overwrite: a conversion never replaces a user's data unless asked to."""
-    if out.exists() and not out.is_dir():
-        raise ConvertError(f"{out} exists and is not a directory; choose another OUT")
-    held = [name for name in SPLITS if os.path.lexists(out / name)]
-    if held and not overwrite:
-        raise ConvertError(
-            f"{out} already holds {' and '.join(f'{n}/' for n in held)}; pass --overwrite to replace "
-            "them, or choose another OUT"
-        )
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived while converting (before anything was moved into OUT)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-_installing: list[int] = []  # signals that arrived while the finished data sets were moved in
-
-
-def _on_signal(signum: int, frame: object) -> None:
-    if _installing:
-        _installing.append(signum)  # moving the data sets in takes microseconds: finish it
-        return
-    raise Interrupted(signum)
-
-
-def install(partial: Path, out: Path, overwrite: bool) -> None:
-    """Move the finished PARTIAL/train and PARTIAL/test into OUT.
-
-    A new OUT is one rename. Into an existing OUT each old split is first moved
-    aside into PARTIAL, then the new one moved in; if a rename fails, what was
-    moved is put back, so OUT holds either the old data sets or the new ones."""
-    check_out(out, overwrite)  # again: another conversion may have finished meanwhile
-    if not out.exists():
-        os.rename(partial, out)
-        fsync_dir(out.parent)
-        return
-    aside = partial / "replaced"
-    aside.mkdir()
-    moved_out: list[str] = []
-    moved_in: list[str] = []
-    try:
-        for name in SPLITS:
-            if os.path.lexists(out / name):
-                os.rename(out / name, aside / name)
-                moved_out.append(name)
-        for name in SPLITS:
-            os.rename(partial / name, out / name)
-            moved_in.append(name)
-    except OSError:
-        for name in moved_in:
-            os.rename(out / name, partial / name)
-        for name in moved_out:
-            os.rename(aside / name, out / name)
-        raise
-    fsync_dir(out)
-
-
 def convert(args: argparse.Namespace) -> list[Path]:
     """Run one conversion; returns the data set directories written (OUT/train, OUT/test).
 
@@ -583,34 +624,52 @@ def convert(args: argparse.Namespace) -> list[Path]:
     out: Path = args.out
     check_out(out, args.overwrite)
     train, test = load(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    try:
-        partial.mkdir()
+    with staged(out, args.overwrite) as partial:
         for name, (images, labels) in zip(SPLITS, (train, test), strict=True):
             write_split(partial, name, images, labels, args.shard_records)
-        _installing.append(0)
-        try:
-            install(partial, out, args.overwrite)
-        finally:
-            _installing.clear()
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return [out / name for name in SPLITS]
 
 
+def ingest(args: argparse.Namespace, prog: str) -> Summary:
+    """Run the streaming sources (folder, dataset); skipped images are named on stderr."""
+
+    def skipped(path: str, reason: str) -> None:
+        if not args.quiet:
+            print(f"{prog}: skipped {path}: {reason}", file=sys.stderr)
+
+    if args.source == "folder":
+        return convert_folder(args.src, args.out, size=args.size, holdout=args.test_fraction,
+                              classes=args.classes, skip_bad=args.skip_bad, color=args.color, seed=args.seed,
+                              overwrite=args.overwrite, shard_records=args.shard_records, on_skip=skipped)
+    check_out(args.out, args.overwrite, SPLITS if args.test_fraction else (args.split,))
+    dataset = dataset_from_spec(args.spec, args.kwargs)
+    return write_dataset(dataset, args.out, holdout=args.test_fraction, seed=args.seed, overwrite=args.overwrite,
+                         split=args.split, shard_records=args.shard_records)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status (2 for unusable input, one line on stderr)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {}
     if threading.current_thread() is threading.main_thread():  # only there can Python catch signals
-        handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     written: list[Path] = []
     try:
         t0 = time.perf_counter()
-        written = convert(args)
+        if args.source in ("folder", "dataset"):
+            summary = ingest(args, parser.prog)
+            written = [summary.out / name for name in summary.records]
+            if not args.quiet:
+                print(summary.line())
+                if summary.links_not_followed:
+                    print(f"note: {summary.links_not_followed} directory symlink(s) inside class folders "
+                          "were not followed")
+        else:
+            written = convert(args)
+            if not args.quiet:
+                print(f"converted {args.source} in {time.perf_counter() - t0:.2f} s")
         if not args.quiet:
-            print(f"converted {args.source} in {time.perf_counter() - t0:.2f} s")
             for d in written:
                 print(summarize(d))
     except (ValueError, OSError) as exc:

@@ -23,13 +23,18 @@ def _parser() -> argparse.ArgumentParser:
                                           "shard directories (demo data)")
     prep.add_argument("--source", default="data/digits",
                       help="data set with train/ and test/ (made with native.convert digits "
-                           "if missing)")
+                           "if missing); any shard data set: a folder of images, a torch "
+                           "Dataset, any image shape and number of classes")
     prep.add_argument("--out", default="data/stannis-digits", help="where to write the split")
     prep.add_argument("--csds", type=int, default=4, help="number of CSDs")
     prep.add_argument("--public-share", type=float, default=0.5,
                       help="share of the train set that is public (read by the host)")
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--overwrite", action="store_true", help="replace an existing split")
+    prep.add_argument("--split", default="iid", metavar="iid|by-class:K",
+                      help="how the private records are dealt: iid (default; every CSD an equal "
+                           "random share) or by-class:K (non-IID: each CSD holds K classes, "
+                           "consecutive windows of the sorted classes dealt round robin)")
     sub.add_parser("defaults", help="print the default configuration as TOML")
     chaos = sub.add_parser(
         "chaos", help="run a random fault campaign on your job and judge every run",
@@ -66,14 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare":
         from native import ShardError
 
-        from .prepare import ensure_source, split
+        from .prepare import describe, ensure_source, parse_split, split
+        try:
+            parse_split(args.split)
+        except ValueError as e:
+            print(f"stannis prepare: error: {e}", file=sys.stderr)
+            return 2
         done = Path(args.out) / "split.json"
         if done.exists() and not args.overwrite:
             import json
 
             info = json.loads(done.read_text())
-            same = (info.get("csds"), info.get("public_share"), info.get("seed")) == \
-                (args.csds, args.public_share, args.seed)
+            same = (info.get("csds"), info.get("public_share"), info.get("seed"),
+                    info.get("split", "iid")) == (args.csds, args.public_share, args.seed, args.split)
             if same:
                 print(f"stannis prepare: {args.out} is already split this way "
                       "(--overwrite to redo it)")
@@ -82,12 +92,13 @@ def main(argv: list[str] | None = None) -> int:
             ensure_source(Path(args.source))
             info = split(Path(args.source), Path(args.out), csds=args.csds,
                          public_share=args.public_share, seed=args.seed,
-                         overwrite=args.overwrite)
+                         overwrite=args.overwrite, mode=args.split)
         except (ValueError, ShardError) as e:
             print(f"stannis prepare: error: {e}", file=sys.stderr)
             return 2
         print(f"stannis prepare: wrote {args.out}: " + ", ".join(
             f"{k} {v}" for k, v in info["records"].items()) + f", public/test {info['test_records']}")
+        print("\n".join(describe(info)))
         return 0
     from . import mpicount
 

@@ -32,6 +32,71 @@ def broadcast_state(comm: Any, module: torch.nn.Module, optimizer: torch.optim.O
     unpack_state(flat, module, optimizer, steps_taken)
 
 
+class BufferAverage:
+    """Average a model's floating buffers (BatchNorm's running statistics) over the ranks
+    with the same batch weights as the gradients, in one non-blocking allreduce that
+    waits with the gradients' (``requests``, then :meth:`apply` after the exchange).
+
+    Why weighted: a running mean updated with momentum m from each rank's batch mean and
+    then averaged with weights b_i / sum(b) is exactly the running mean updated from the
+    union batch's mean. A running variance averaged so is the weighted mean of the
+    ranks' batch variances: the union batch's minus the spread between the ranks'
+    means (docs/stannis.md). Integer buffers (BatchNorm's batch counter) take the
+    largest count: every rank that trained counted the step. A rank with an empty batch
+    weighs nothing. ``[stannis] local_buffers = true`` keeps them per rank instead
+    (as FedBN does); then this is not used.
+    """
+
+    def __init__(self, comm: Any, module: torch.nn.Module) -> None:
+        self.comm = comm
+        params = {id(p) for p in module.parameters()}
+        state = [t for t in module.state_dict(keep_vars=True).values() if id(t) not in params]
+        self.floats = [t for t in state if t.is_floating_point()]
+        self.ints = [t for t in state if not t.is_floating_point()]
+        nf = sum(t.numel() for t in self.floats)
+        ni = sum(t.numel() for t in self.ints)
+        self._fsend, self._frecv = np.zeros(nf + 1), np.zeros(nf + 1)
+        self._isend, self._irecv = np.zeros(ni, np.int64), np.zeros(ni, np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes each rank sends per step (0 for a model without buffers)."""
+        return (self._fsend.nbytes if self.floats else 0) + self._isend.nbytes
+
+    def requests(self, weight: float) -> list[MPI.Request]:
+        """Start the step's reductions of this rank's buffers, weighted by ``weight``."""
+        reqs = []
+        if self.floats:
+            pos = 0
+            for t in self.floats:
+                n = t.numel()
+                self._fsend[pos:pos + n] = t.detach().reshape(-1).double().numpy() * weight
+                pos += n
+            self._fsend[-1] = weight
+            reqs.append(self.comm.Iallreduce(self._fsend, self._frecv, op=MPI.SUM))
+        if self.ints:
+            self._isend[:] = np.concatenate([t.detach().reshape(-1).numpy() for t in self.ints])
+            reqs.append(self.comm.Iallreduce(self._isend, self._irecv, op=MPI.MAX))
+        return reqs
+
+    def apply(self) -> None:
+        """Put the averages in place (after the requests completed); nothing if no rank
+        trained this step."""
+        with torch.no_grad():
+            total = self._frecv[-1] if self.floats else 0.0
+            if total > 0:
+                pos = 0
+                for t in self.floats:
+                    n = t.numel()
+                    t.copy_(torch.from_numpy(self._frecv[pos:pos + n] / total).view_as(t))
+                    pos += n
+            pos = 0
+            for t in self.ints:
+                n = t.numel()
+                t.copy_(torch.from_numpy(self._irecv[pos:pos + n]).view_as(t))
+                pos += n
+
+
 # Tags of the star exchange, one per direction: messages between two ranks with one tag
 # arrive in the order they were sent, so bucket k is the k-th of each. Small, as MPI
 # promises tags up to 32767 only; Stannis sends no other point-to-point message.

@@ -43,6 +43,12 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
     "data": {
         "path": "data/stannis-digits",  # holds public/{train,test} and csd<k>/ (stannis prepare)
         "public_to_csds": 0.0,  # share of the public train set also stored on (split over) CSDs
+        # random ops on each rank's batches, in order: "random_crop:P", "hflip", "vflip"; [] =
+        # none. A sample's draws depend only on (run.seed, the rank's epoch, its record in its
+        # data set), so a replay sees the same sample (mpipipe.core.data.transforms)
+        "augment": [],
+        "mean": [],  # per-channel normalization (x/255 - mean) / std, train and test; [] = none
+        "std": [],  # one value per channel each, or both []
     },
     "model": dict(MODEL_DEFAULTS),
     "optim": {
@@ -71,6 +77,9 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         # its gradients once each way; for CSDs behind the host's faster link) or
         # "allreduce" (MPI's Iallreduce; for ranks on links of equal speed)
         "exchange": "host",
+        # true: BatchNorm's running statistics stay each rank's own (as FedBN); false: they
+        # are averaged every step with the gradients' batch weights (docs/stannis.md)
+        "local_buffers": False,
         "inject": [],  # fault specs, as with --inject (target ranks: rank=R)
     },
     "host": {

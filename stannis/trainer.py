@@ -23,7 +23,7 @@ from mpipipe.core.logschema import EventKind
 from mpipipe.core.lr import decay, set_lr
 from mpipipe.core.runlog import LogError
 
-from .allreduce import WeightedAllreduce, broadcast_state
+from .allreduce import BufferAverage, WeightedAllreduce, broadcast_state
 from .audit import AuditedComm
 from .background_log import BackgroundLog
 from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, csd_dir, csd_profile, emulation, stannis_plan
@@ -151,6 +151,8 @@ class Trainer:
             self.schedule = recipe.Schedule(cfg, int(cfg["run"]["steps"])) if cfg["optim"]["scheduler"] else None
         except recipe.RecipeError as e:
             run.fail(e)
+        averaged = None if cfg["stannis"]["local_buffers"] else BufferAverage(self.comm, self.model)
+        self.buffers = averaged if averaged is not None and averaged.nbytes else None
         self.reducer = WeightedAllreduce(self.comm, self.model.parameters(),
                                          cfg["stannis"]["bucket_bytes"], exchange=cfg["stannis"]["exchange"],
                                          root=0)  # the host: rank 0, before and after a shrink
@@ -470,6 +472,8 @@ class Trainer:
         self.comm.sent, self.comm.recv = old_comm.sent, old_comm.recv
         self.members = survivors
         self.reducer.comm = self.comm
+        if self.buffers is not None:
+            self.buffers.comm = self.comm
         # The host's state wins: a survivor that already applied this step and one
         # that had not end up identical, momentum included.
         step = np.array([self.step], dtype=np.int64)
@@ -617,8 +621,12 @@ class Trainer:
         # A data error or a stop signal on any rank travels with the gradients (one float64).
         code = np.array([stop.agree_code(self.comm, error)], dtype=np.float64)
         worst = np.zeros(1)
+        buffers = self.buffers.requests(b) if self.buffers is not None else []
         total = self.reducer.reduce(b, alongside=[self.comm.Igather(row, table, root=0),
-                                                  self.comm.Iallreduce(code, worst, op=MPI.MAX)])
+                                                  self.comm.Iallreduce(code, worst, op=MPI.MAX),
+                                                  *buffers])
+        if self.buffers is not None:
+            self.buffers.apply()
         halt = stop.stop_from(self.comm, int(worst[0]), error, index)
         if halt is not None:
             raise halt  # before this step's update: the run ends with `index` steps done
@@ -753,6 +761,7 @@ class Trainer:
             "final_batches": dict(zip(self.members, self.batches, strict=True)),
             "ranks": per_rank, "grad_bytes": self.reducer.payload_bytes,
             "control_bytes": FIG_BYTES + STOP_BYTES,
+            "buffer_bytes": self.buffers.nbytes if self.buffers is not None else 0,
         }
         self.log.set_attr("summary", summary)
         self.run.result.update(summary)

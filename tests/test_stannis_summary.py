@@ -15,10 +15,10 @@ def _summary(sources: dict[int, str]) -> dict:
         t_train=time.perf_counter() - 2.0, step=10, members=[0, 1], batches=[90, 10],
         totals={0: {"samples": 900, "joules": 300.0, "busy_s": 1.0},
                 1: {"samples": 100, "joules": 20.0, "busy_s": 1.0}},
-        sources=sources, last_loss=1.0, reducer=SimpleNamespace(payload_bytes=4),
+        sources=sources, last_loss=1.0, reducer=SimpleNamespace(payload_bytes=4), buffers=None,
         log=SimpleNamespace(set_attr=lambda key, value: written.update({key: value})),
         run=SimpleNamespace(progress=SimpleNamespace(summary=lambda **kw: None, samples_per_s=10.0),
-                            log=SimpleNamespace(path="x.h5")))
+                            log=SimpleNamespace(path="x.h5"), result={}))
     Trainer._summary(fake, 0.5)
     return written["summary"]
 

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import native
+from mpipipe.core.config import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DataError", "DataFault", "image_shape", "run_steps", "TrainBatches", "test_batches",
-           "count_test_batches", "check_labels", "verify_split", "damaged"]
+__all__ = ["DataError", "DataFault", "TransformError", "image_shape", "run_steps", "TrainBatches",
+           "test_batches", "count_test_batches", "check_labels", "verify_split", "damaged", "transforms"]
 
 
 class DataError(ValueError):
@@ -27,6 +28,46 @@ class DataFault(DataError):
     Not a failure of the rank that found it: every rank stops (mpipipe.core.stop), none
     takes over. The message is one line naming the shard, the record and the fix.
     """
+
+
+class TransformError(ConfigError, DataError):
+    """``data.augment``, ``data.mean`` or ``data.std`` is wrong, or does not fit the images.
+
+    A configuration error (ConfigError) that is often found only once the data set's
+    shape is known (DataError): both the static config checks and the data set checks,
+    which already catch one of the two, report it as their one line.
+    """
+
+
+def transforms(d: Mapping[str, Any], shape: Sequence[int] | None = None, *,
+               seed: int = 0) -> native.Augment:
+    """The ``[data]`` section's augmentation and normalization as a native.Augment.
+
+    ``shape``: the images' (C, H, W), when known: then mean/std must have one value per
+    channel and the crop's padding must be smaller than the image. ``seed``: the run's
+    seed; with the epoch and the record index it decides each sample's draws.
+
+    Raises:
+        TransformError: an unknown op, a bad argument, bad mean/std, or values that do
+            not fit ``shape``; one line naming the key and, for an op, the known ones.
+    """
+    ops, mean, std = d.get("augment", []), d.get("mean", []), d.get("std", [])
+    try:
+        native.parse_ops(ops)
+    except native.AugmentError as e:
+        raise TransformError(f"data.augment = {ops!r}: {e}") from None
+    try:
+        augment = native.Augment(ops, mean, std, seed=seed)
+    except native.AugmentError as e:
+        raise TransformError(f"data.mean = {mean!r}, data.std = {std!r}: {e}") from None
+    if shape is not None:
+        try:
+            augment.check_shape(shape)
+        except native.AugmentError as e:
+            key = ("data.mean, data.std" if augment.mean is not None and len(augment.mean) != shape[0]
+                   else "data.augment")
+            raise TransformError(f"{key}: {e}") from None
+    return augment
 
 
 def fix_hint(directory: str | Path) -> str:
@@ -141,10 +182,14 @@ def _open(path: str | Path, split: str) -> native.Dataset:
     return dataset
 
 
+def _image_field(dataset: native.Dataset) -> native.Field:
+    return next(f for f in dataset.schema if f.name == "image")
+
+
 def image_shape(path: str | Path) -> tuple[int, int, int]:
     """(C, H, W) of the training images: every rank reads it to build the same model."""
     dataset = _open(path, "train")
-    shape = next(f.shape for f in dataset.schema if f.name == "image")
+    shape = _image_field(dataset).shape
     dataset.close()
     return tuple(int(s) for s in shape)  # type: ignore[return-value]
 
@@ -195,17 +240,50 @@ class TrainBatches:
     labels travel to the last stage inside the pipeline. Output buffers are reused from
     batch to batch; that is safe because a pipeline step completes all its sends
     (including the labels) before it returns.
+
+    ``augment``, ``mean``, ``std`` (``[data]``): random ops and per-channel normalization,
+    applied to each batch as read (native.Augment). Each sample's draws are a pure
+    function of (seed, epoch, record index), so a reader that seeks to a batch (a
+    takeover, a hot mirror, a resumed run) produces the very same tensors as one that
+    read through. Without any of the three, batches are exactly ``x.float() / 255`` as
+    before.
     """
 
     def __init__(self, path: str | Path, batch_size: int, *, seed: int, shuffle: bool = True,
-                 drop_last: bool = True, num_classes: int | None = None) -> None:
+                 drop_last: bool = True, num_classes: int | None = None,
+                 augment: Sequence[str] = (), mean: Sequence[float] = (),
+                 std: Sequence[float] = ()) -> None:
         self.dataset = _open_train(path, batch_size)
         self.num_classes = num_classes  # labels are checked against it as they are read
         self.batch_size = batch_size
+        try:
+            self.augment = transforms({"augment": augment, "mean": mean, "std": std},
+                                      _image_field(self.dataset).shape, seed=seed)
+        except TransformError:
+            self.dataset.close()
+            raise
         self.sampler = native.Sampler(len(self.dataset), seed=seed, shuffle=shuffle,
                                       drop_last=drop_last)
         self._out = self.dataset.empty(batch_size)
+        self._x: np.ndarray | None = None  # the float32 batch, when transformed
+        if not self.augment.identity:
+            self._x = np.empty(self._out["image"].shape, dtype=np.float32)
         self._it: Iterator[np.ndarray] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Mapping[str, Any]]) -> TrainBatches:
+        """The reader a run's configuration asks for (``[data]``, ``run.seed``,
+        ``model.num_classes``): the one place every training loop opens it, so each
+        reads the same batches.
+
+        Raises:
+            DataError: the data set is missing or too small for one batch.
+            TransformError: data.augment, data.mean or data.std is wrong for the images.
+        """
+        d = cfg["data"]
+        return cls(d["path"], d["batch_size"], seed=cfg["run"]["seed"], shuffle=d["shuffle"],
+                   drop_last=d["drop_last"], num_classes=cfg["model"]["num_classes"],
+                   augment=d.get("augment", ()), mean=d.get("mean", ()), std=d.get("std", ()))
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -233,7 +311,22 @@ class TrainBatches:
                 fault = bad_label(self.dataset, indices, batch["label"], self.num_classes)
                 if fault is not None:
                     raise fault
-            return _to_tensors(batch)
+            if self._x is None:
+                return _to_tensors(batch)
+            return self._transformed(batch, indices)
+
+    def _transformed(self, batch: dict[str, np.ndarray], indices: np.ndarray
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        assert self._x is not None
+        # The batch's epoch, from the position just after it: (epoch, records handed out
+        # so far), or (epoch + 1, 0) once it was the epoch's last batch.
+        epoch, offset = self.sampler.position
+        if offset == 0:
+            epoch -= 1
+        x = self.augment.apply(batch["image"], indices, epoch, out=self._x)
+        return torch.from_numpy(x), torch.from_numpy(batch["label"]).long()
 
     @property
     def position(self) -> tuple[int, int]:
@@ -260,14 +353,29 @@ def count_test_batches(path: str | Path, batch_size: int) -> int:
     return -(-n // batch_size)
 
 
-def test_batches(path: str | Path, batch_size: int
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Every test record once, in order, in batches of `batch_size` (last one short)."""
+def test_batches(path: str | Path, batch_size: int, *, mean: Sequence[float] = (),
+                 std: Sequence[float] = ()) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Every test record once, in order, in batches of `batch_size` (last one short).
+
+    ``mean``/``std`` (``data.mean``, ``data.std``): normalized as the training batches
+    are; never augmented (evaluation measures the model on the data as it is).
+
+    Raises:
+        TransformError: mean/std are wrong or do not have one value per channel.
+    """
+    import torch
+
     dataset = _open(path, "test")
     try:
+        norm = transforms({"mean": mean, "std": std}, _image_field(dataset).shape)
         for lo in range(0, len(dataset), batch_size):
             indices = np.arange(lo, min(lo + batch_size, len(dataset)), dtype=np.int64)
-            yield _to_tensors(dataset.read(indices))
+            batch = dataset.read(indices)
+            if norm.identity:
+                yield _to_tensors(batch)
+            else:
+                yield (torch.from_numpy(norm.normalize(batch["image"])),
+                       torch.from_numpy(batch["label"]).long())
     finally:
         dataset.close()
 

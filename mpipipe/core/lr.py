@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SCHEDULES", "decay", "rate_at", "set_lr", "set_rate_for_step"]
+__all__ = ["SCHEDULES", "decay", "rate_at", "set_lr"]
 
 SCHEDULES = ("constant", "cosine")
 
@@ -40,8 +40,3 @@ def set_lr(optimizer: Any, lr: float) -> None:
     """Set the rate of every parameter group of ``optimizer`` (if it has any)."""
     for group in getattr(optimizer, "param_groups", ()):
         group["lr"] = lr
-
-
-def set_rate_for_step(optimizer: Any, optim: Mapping[str, Any], step: int, total: int) -> None:
-    """Give ``optimizer`` the rate of ``step``: the one call before every pipeline update."""
-    set_lr(optimizer, rate_at(optim, step, total))

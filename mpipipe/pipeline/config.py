@@ -34,6 +34,12 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "batch_size": 64,  # mini-batch size (samples per optimizer step)
         "shuffle": True,  # reshuffle the train split every epoch (seeded)
         "drop_last": True,  # drop a last short batch (false: pad it by repeating records)
+        # random ops on each training batch, in order: "random_crop:P" (zero-pad P pixels,
+        # random crop back), "hflip", "vflip"; [] = none. Each sample's draws depend only on
+        # (run.seed, epoch, record), so replays and resumed runs see the same samples.
+        "augment": [],
+        "mean": [],  # per-channel normalization (x/255 - mean) / std, train and test; [] = none
+        "std": [],  # one value per channel each, or both []
     },
     "model": dict(MODEL_DEFAULTS),
     "optim": dict(OPTIM_DEFAULTS),

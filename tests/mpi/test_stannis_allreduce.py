@@ -120,7 +120,6 @@ def test_broadcast_state_gives_every_rank_the_roots_parameters_and_momentum(opti
     params = list(model.parameters())
     opt = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if optim == "sgd"
            else torch.optim.Adam(params, lr=0.01))
-    momentum = 0.9 if optim == "sgd" else 0.0
     g = torch.Generator().manual_seed(7 + comm.Get_rank())  # every rank drifts its own way
     for _ in range(2 + comm.Get_rank()):
         for p in params:
@@ -131,7 +130,7 @@ def test_broadcast_state_gives_every_rank_the_roots_parameters_and_momentum(opti
     roots = comm.bcast(mine, root=0)
     if comm.Get_rank() == 1:
         assert any((a - b).abs().max().item() > 0 for a, b in zip(mine, roots, strict=True))
-    broadcast_state(comm, params, opt, optim, momentum, steps_taken=5)
+    broadcast_state(comm, model, opt, steps_taken=5)
     for p, want in zip(params, roots, strict=True):
         assert torch.equal(opt.state[p][key], want)
     common = torch.Generator().manual_seed(1)
@@ -140,5 +139,38 @@ def test_broadcast_state_gives_every_rank_the_roots_parameters_and_momentum(opti
     opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     assert torch.equal(flat, comm.bcast(flat, root=0))
-    broadcast_state(comm, params, opt, optim, momentum, steps_taken=0)  # no step yet: no state
+    broadcast_state(comm, model, opt, steps_taken=0)  # no step yet: no state
     assert all(not opt.state.get(p) for p in params)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_batchnorm_statistics_averaged_by_batch_weight_are_the_union_batchs_mean() -> None:
+    # Each rank normalizes its own batch (of its own size; one rank may have none); the
+    # running means, averaged with the gradients' weights, equal those the union batch
+    # gives one BatchNorm. The running variances are the weighted mean of the ranks'
+    # (unbiased) batch variances, the rule docs/stannis.md states; the counter is the step.
+    from stannis.allreduce import BufferAverage
+
+    comm = MPI.COMM_WORLD
+    sizes = [0 if r == 1 else 3 + 2 * r for r in range(comm.Get_size())]
+    x, _ = _union_batch(sum(sizes))
+    start, b = sum(sizes[:comm.Get_rank()]), sizes[comm.Get_rank()]
+    union = torch.nn.BatchNorm2d(1, momentum=0.3)
+    union(x)
+    mine = torch.nn.BatchNorm2d(1, momentum=0.3)
+    if b > 0:
+        mine(x[start:start + b])
+    avg = BufferAverage(comm, mine)
+    assert avg.nbytes == 8 * (1 + 1 + 1) + 8  # mean, var, the weight slot; the counter
+    MPI.Request.Waitall(avg.requests(float(b)))
+    avg.apply()
+    assert torch.allclose(mine.running_mean, union.running_mean, atol=1e-6, rtol=0)
+    variances = []
+    for r, n in enumerate(sizes):
+        if n:
+            lo = sum(sizes[:r])
+            variances.append((n, x[lo:lo + n].var(unbiased=True)))
+    want = 0.7 * 1.0 + 0.3 * sum(n * v for n, v in variances) / sum(sizes)
+    assert torch.allclose(mine.running_var, torch.tensor([float(want)]), atol=1e-5, rtol=0)
+    assert int(mine.num_batches_tracked) == 1
