@@ -5,6 +5,11 @@ of one synthetic shard in warm page cache, in batches of 256. Figures are
 reported as ratios to baselines measured in the same run, because the
 machines are shared and noisy; each figure is the median over rounds that
 interleave the methods.
+
+``--augment``: the training recipe instead (random_crop:4 + hflip + normalize):
+native gather + native.Augment on the batch, against a torch DataLoader with two
+workers doing the same transforms per sample in Python; and the augmentation's
+time per batch as a share of one LeNet training step on that batch.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .augment import Augment
 from .reader import ShardReader
 from .writer import ShardWriter
 
@@ -33,6 +40,19 @@ KEYS = (
     "native_vs_numpy",
     "native_vs_dataloader",
 )
+
+
+AUGMENT_KEYS = (
+    "augment_images_per_s",
+    "dataloader_images_per_s",
+    "augment_vs_dataloader",
+    "augment_ms_per_batch",
+    "lenet_step_ms",
+    "augment_share_of_lenet_step",
+)
+AUGMENT_OPS = ("random_crop:4", "hflip")
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
 def make_shard(path: Path, records: int, seed: int = 0) -> None:
@@ -163,6 +183,200 @@ def run(
     }
 
 
+def _lenet(num_classes: int = 10) -> Any:
+    """LeNet-5 for 3x32x32, as the project's model zoo builds it (mpipipe.core.models.lenet).
+    Written out here because native imports nothing of mpipipe (tests/test_layers.py)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 8 * 8, 120), nn.ReLU(),
+        nn.Linear(120, 84), nn.ReLU(),
+        nn.Linear(84, num_classes),
+    )
+
+
+def _torch_sample(t: Any, dy: int, dx: int, flip: bool, pad: int, mean: Any, std: Any) -> Any:
+    """One sample the usual way: torch ops on its own tensor (pad, crop, flip, normalize)."""
+    import torch
+    import torch.nn.functional as F
+
+    h, w = t.shape[1:]
+    t = F.pad(t, (pad, pad, pad, pad))[:, dy:dy + h, dx:dx + w]
+    if flip:
+        t = torch.flip(t, dims=(2,))
+    return (t.float().div(255.0) - mean) / std
+
+
+def run_augment(records: int, batch: int, batches: int, loader_batches: int, steps: int, rounds: int,
+                directory: Path) -> dict[str, Any]:
+    """Native gather + native.Augment against a 2-worker DataLoader with per-sample torch
+    transforms, in images/s by the wall clock (the DataLoader works in other processes,
+    so this thread's CPU time would leave its work out), rounds interleaved; and
+    native.Augment's thread CPU time per batch against one LeNet step's (one thread,
+    as each rank trains), which load on the machine slows alike."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)
+    path = directory / "bench.shard"
+    make_shard(path, records)
+    reader = ShardReader(path)
+    reader.verify()  # page cache warm, checksums done
+    shard = reader._set.shards[0]
+    rs = shard.record_size
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=shard.data_offset, shape=(records, rs))
+    images = mm[:, :3072].reshape(records, 3, 32, 32)
+    pad = 4
+    aug = Augment(AUGMENT_OPS, CIFAR_MEAN, CIFAR_STD, seed=0)
+    mean_t = torch.tensor(CIFAR_MEAN).reshape(3, 1, 1)
+    std_t = torch.tensor(CIFAR_STD).reshape(3, 1, 1)
+
+    rng = np.random.default_rng(1)
+    order = rng.permutation(records).astype(np.int64)
+    n_batches = records // batch
+    out = reader.empty(batch)
+    x = np.empty((batch, 3, 32, 32), dtype=np.float32)
+
+    # The two ways compute the same samples: the per-sample torch transform, given the
+    # draws of native.Augment, equals its batch output bit for bit.
+    probe = order[:batch]
+    got = aug.apply(reader.read(probe, out=out)["image"], probe, 0, out=x)
+    d = aug.draws(0, probe)
+    for i in range(0, batch, max(1, batch // 16)):
+        want = _torch_sample(torch.from_numpy(np.array(images[probe[i]])), int(d.dy[i]), int(d.dx[i]),
+                             bool(d.hflip[i]), pad, mean_t, std_t)
+        if not torch.equal(torch.from_numpy(got[i]), want):
+            raise RuntimeError("native.Augment and the per-sample torch transform disagree")
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return records
+
+        def __getitem__(self, i: int) -> tuple[Any, int]:
+            t = torch.from_numpy(np.array(images[i]))
+            dy, dx = (int(v) for v in torch.randint(0, 2 * pad + 1, (2,)))
+            flip = bool(torch.rand(()) < 0.5)
+            return _torch_sample(t, dy, dx, flip, pad, mean_t, std_t), int(i)
+
+    class Window(torch.utils.data.Sampler):
+        """Exactly this round's records, so no batch is still being made in the workers
+        while the native method is timed."""
+
+        def __init__(self) -> None:
+            self.start = 0
+
+        def __len__(self) -> int:
+            return (loader_batches + 1) * batch
+
+        def __iter__(self) -> Any:
+            idx = np.arange(self.start, self.start + len(self)) % records
+            return iter(order[idx].tolist())
+
+    window = Window()
+    loader = DataLoader(Samples(), batch_size=batch, sampler=window, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork",
+                        worker_init_fn=lambda _: torch.set_num_threads(1))
+
+    model = _lenet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    xt, yt = torch.from_numpy(x), torch.from_numpy(out["label"])
+
+    def lenet_step() -> None:
+        opt.zero_grad()
+        loss_fn(model(xt), yt).backward()
+        opt.step()
+
+    lenet_step()  # first call allocates
+    cursor = 0
+    native_ips: list[float] = []
+    loader_ips: list[float] = []
+    ratios: list[float] = []
+    aug_cpu: list[float] = []
+    step_cpu: list[float] = []
+    for r in range(rounds):
+        w0 = time.perf_counter()
+        spent = 0.0
+        for b in range(batches):
+            k = (cursor + b) % n_batches
+            idx = order[k * batch:(k + 1) * batch]
+            got_batch = reader.read(idx, out=out)
+            c0 = time.thread_time()
+            aug.apply(got_batch["image"], idx, r, out=x)
+            spent += time.thread_time() - c0
+        native_ips.append(batches * batch / max(time.perf_counter() - w0, 1e-9))
+        aug_cpu.append(spent / batches)
+        cursor += batches
+
+        window.start = (r * (loader_batches + 1) * batch) % records
+        it = iter(loader)
+        next(it)  # start-up (and the workers' first batches) is not throughput
+        w0 = time.perf_counter()
+        for _ in it:
+            pass
+        loader_ips.append(loader_batches * batch / max(time.perf_counter() - w0, 1e-9))
+        ratios.append(native_ips[-1] / loader_ips[-1])
+
+        c0 = time.thread_time()
+        for _ in range(steps):
+            lenet_step()
+        step_cpu.append((time.thread_time() - c0) / steps)
+    reader.close()
+    del loader
+    shares = [a / s for a, s in zip(aug_cpu, step_cpu, strict=True)]
+    return {
+        "augment_images_per_s": statistics.median(native_ips),
+        "dataloader_images_per_s": statistics.median(loader_ips),
+        "augment_vs_dataloader": statistics.median(ratios),
+        "augment_ms_per_batch": statistics.median(aug_cpu) * 1e3,
+        "lenet_step_ms": statistics.median(step_cpu) * 1e3,
+        "augment_share_of_lenet_step": statistics.median(shares),
+        "_spread": {"augment_vs_dataloader": (min(ratios), max(ratios)),
+                    "augment_share_of_lenet_step": (min(shares), max(shares)),
+                    "augment_images_per_s": (min(native_ips), max(native_ips)),
+                    "dataloader_images_per_s": (min(loader_ips), max(loader_ips)),
+                    "augment_ms_per_batch": (min(aug_cpu) * 1e3, max(aug_cpu) * 1e3),
+                    "lenet_step_ms": (min(step_cpu) * 1e3, max(step_cpu) * 1e3)},
+    }
+
+
+def main_augment(args: argparse.Namespace) -> int:
+    load_before = os.getloadavg()[0]
+    records = args.records if args.records is not None else 25_600
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="native-bench-") as tmp:
+        res = run_augment(records, args.batch, args.batches if args.batches is not None else 40,
+                          args.loader_batches if args.loader_batches is not None else 8,
+                          args.lenet_steps, args.rounds, Path(tmp))
+    if args.json:
+        print(json.dumps({k: round(float(res[k]), 4) for k in AUGMENT_KEYS}))
+        return 0
+    spread = res["_spread"]
+    print(f"native.bench --augment: {records} records of 3x32x32 uint8, batches of {args.batch} shuffled, "
+          f"{', '.join(AUGMENT_OPS)} + normalize; median of {args.rounds} interleaved rounds")
+    print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs: "
+          "images/s are wall clock (the DataLoader's workers are other processes), the share is "
+          "this thread's CPU time (one torch thread, as a rank trains)")
+    print(f"{'figure':<48}{'median':>10}   min..max")
+    rows = [
+        ("native gather + Augment (images/s, wall)", "augment_images_per_s", "{:>10.0f}", "{:.0f}..{:.0f}"),
+        ("DataLoader, 2 workers, per sample (images/s)", "dataloader_images_per_s", "{:>10.0f}", "{:.0f}..{:.0f}"),
+        ("Augment, CPU ms per batch", "augment_ms_per_batch", "{:>10.2f}", "{:.2f}..{:.2f}"),
+        ("LeNet step (fwd+bwd+SGD), CPU ms per batch", "lenet_step_ms", "{:>10.1f}", "{:.1f}..{:.1f}"),
+    ]
+    for label, key, fmt, sfmt in rows:
+        print(f"{label:<48}{fmt.format(res[key])}   {sfmt.format(*spread[key])}")
+    for key, ok, target in (
+        ("augment_vs_dataloader", res["augment_vs_dataloader"] >= 5.0, "target >= 5"),
+        ("augment_share_of_lenet_step", res["augment_share_of_lenet_step"] < 0.05, "target < 0.05"),
+    ):
+        lo, hi = spread[key]
+        print(f"{key:<48}{res[key]:>10.3f}   {lo:.3f}..{hi:.3f}  {target}  {'ok' if ok else 'BELOW TARGET'}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m native.bench",
@@ -171,10 +385,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "page cache. Reports GB/s (median of rounds) and the ratios.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
-    p.add_argument("--records", type=int, default=200_000, help="records in the shard (200000)")
+    p.add_argument("--augment", action="store_true",
+                   help="benchmark the training recipe instead: gather + native.Augment (random_crop:4, "
+                   "hflip, normalize) vs a 2-worker DataLoader transforming per sample, and the "
+                   "augmentation's share of a LeNet step")
+    p.add_argument("--records", type=int, default=None, help="records in the shard (200000; --augment: 25600)")
     p.add_argument("--batch", type=int, default=256, help="records per batch (256)")
-    p.add_argument("--batches", type=int, default=300, help="batches per method per round (300)")
-    p.add_argument("--loader-batches", type=int, default=10, help="DataLoader batches per round (10; it is slow)")
+    p.add_argument("--batches", type=int, default=None, help="batches per method per round (300; --augment: 40)")
+    p.add_argument("--loader-batches", type=int, default=None,
+                   help="DataLoader batches per round (10; --augment: 8; it is slow)")
+    p.add_argument("--lenet-steps", type=int, default=3, help="--augment: LeNet steps timed per round (3)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
     p.add_argument(
         "--clock",
@@ -185,8 +405,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--dir", type=Path, default=None, help="where to write the temporary shard (default: a temp dir)")
     args = p.parse_args(argv)
-    if args.records < 2 * args.batch:
+    if args.records is not None and args.records < 2 * args.batch:
         p.error("--records must be at least two batches")
+    if args.augment:
+        return main_augment(args)
+    args.records = 200_000 if args.records is None else args.records
+    args.batches = 300 if args.batches is None else args.batches
+    args.loader_batches = 10 if args.loader_batches is None else args.loader_batches
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="native-bench-") as tmp:
         res = run(args.records, args.batch, args.batches, args.loader_batches, args.rounds, Path(tmp), args.clock)

@@ -49,16 +49,23 @@ def _cfg(step_lr: bool = False) -> dict:
 
 
 @cache
-def _reference(digits: Path, balance: tuple[int, ...], step_lr: bool = False
-               ) -> tuple[list[float], dict]:
-    """Single-process training of STEPS steps: (losses, final state_dict)."""
+def _reference(digits: Path, balance: tuple[int, ...], step_lr: bool = False,
+               deferred: bool = False) -> tuple[list[float], dict]:
+    """Single-process training of STEPS steps: (losses, final state_dict). ``deferred``:
+    BatchNorm's running statistics move once a step, from the whole mini-batch (checked
+    against torch's own BatchNorm on the full batch in tests/test_deferred_bn.py)."""
     from mpipipe.core.data import TrainBatches
+    from mpipipe.pipeline.deferred_bn import begin_step, commit_step
     from mpipipe.pipeline.engine import micro_seed
     from mpipipe.pipeline.partition import split
 
     cfg = _cfg(step_lr)
     torch.manual_seed(SEED)
     model = recipe.build_model(cfg, (1, 8, 8))
+    if deferred:
+        from mpipipe.pipeline.deferred_bn import defer_batch_norm
+
+        defer_batch_norm(model)
     chunks = split(model, list(balance))
     opt = recipe.make_optimizer(cfg, model.parameters())
     schedule = recipe.Schedule(cfg, STEPS)
@@ -69,6 +76,8 @@ def _reference(digits: Path, balance: tuple[int, ...], step_lr: bool = False
         x, y = data.next()
         for p in model.parameters():
             p.grad = None
+        if deferred:
+            begin_step(model)
         total = 0.0
         for i, (xi, yi) in enumerate(zip(x.tensor_split(MICRO), y.tensor_split(MICRO), strict=True)):
             h = xi
@@ -78,6 +87,8 @@ def _reference(digits: Path, balance: tuple[int, ...], step_lr: bool = False
             loss = loss_fn(h, yi) * (len(yi) / BATCH)
             loss.backward()
             total += float(loss.detach())
+        if deferred:
+            commit_step(model)
         schedule.apply(opt, s)
         opt.step()
         losses.append(total)
@@ -111,7 +122,7 @@ def _state(ckpt: Path) -> dict:
 
 
 def _equals_reference(digits: Path, result, log: Path, ckpt: Path, first: int = 1,
-                      step_lr: bool = False) -> object:
+                      step_lr: bool = False, deferred: bool = False) -> object:
     """The run's log holds steps ``first``..STEPS with the reference's losses, and its
     last checkpoint the reference's final state_dict."""
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -119,7 +130,7 @@ def _equals_reference(digits: Path, result, log: Path, ckpt: Path, first: int = 
     assert run.attrs["status"] == "completed"
     assert [int(s) for s in run.steps["step"]] == list(range(first, STEPS + 1))
     balance = tuple(int(b) for b in str(run.attrs["balance"]).strip("[]").split(","))
-    losses, state = _reference(digits, balance, step_lr)
+    losses, state = _reference(digits, balance, step_lr, deferred)
     losses = losses[first - 1:]
     got = [float(v) for v in run.steps["loss"]]
     assert max(abs(a - b) for a, b in zip(got, losses, strict=True)) <= 1e-5, (got, losses)
@@ -148,6 +159,18 @@ def test_respipe_without_failure_and_with_a_kill_cold_r1_and_hot_equals_the_refe
         result, log, ckpt = runs(name, 6, *backed, *settings, ulfm=True)
         run = _equals_reference(digits, result, log, ckpt)
         assert len(run.events_of("takeover")) == (0 if name == "respipe" else 1)
+
+
+@pytest.mark.timeout(900)
+def test_deferred_batch_norm_commits_once_a_step_in_the_pipeline_and_after_kills(runs, digits):
+    deferred = ("pipeline.deferred_batch_norm=true",)
+    backed = ('resilience.backups="all"', "resilience.replicate_every=1")
+    result, log, ckpt = runs("deferred", 3, *deferred, "resilience.backups={}")
+    _equals_reference(digits, result, log, ckpt, deferred=True)
+    for name, settings in (("deferred-cold", ("inject:kill:stage=1:step=6:micro=2",)),
+                           ("deferred-hot", ('resilience.mode="hot"', "inject:kill:stage=0:step=6:micro=1"))):
+        result, log, ckpt = runs(name, 6, *deferred, *backed, *settings, ulfm=True)
+        _equals_reference(digits, result, log, ckpt, deferred=True)
 
 
 @pytest.mark.timeout(900)

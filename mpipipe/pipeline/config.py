@@ -49,6 +49,9 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "balance_by": "time",  # time | params (automatic balancing)
         "chunks": 4,  # m: micro-batches per mini-batch
         "schedule": "1f1b",  # gpipe | 1f1b | interleaved-1f1b (mpipipe.pipeline.schedule.REGISTRY)
+        # true: BatchNorm's running statistics move once per mini-batch, from all of it
+        # (torchgpipe's DeferredBatchNorm); false: once per micro-batch, in order
+        "deferred_batch_norm": False,
     },
     "plan": {},  # explicit launch plan: role name -> rank, e.g. "stage 0" = 0
     "resilience": {

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mpipipe.core.transport import ACT, EVAL, GRAD, LABEL, Transport
+from mpipipe.pipeline.deferred_bn import begin_step, commit_step
 from mpipipe.pipeline.partition import split, stage_modules
 from mpipipe.pipeline.schedule import Action, Op, actions, virtual_stages
 from mpipipe.pipeline.schedule import get as get_schedule
@@ -291,6 +292,7 @@ class Pipeline:
         wait0 = self.transport.wait_s
         for p in self.partitions[stage].parameters():
             p.grad = None
+        begin_step(self.partitions[stage])  # deferred BatchNorm: this step's sums only
         try:
             loss = self._run(stage, step_no, x, y, loss_fn)
         except BaseException:
@@ -300,6 +302,7 @@ class Pipeline:
             elapsed = time.perf_counter() - t0
             self.last_wait_s = self.transport.wait_s - wait0
             self.last_compute_s = elapsed - self.last_wait_s
+        commit_step(self.partitions[stage])
         self.step_count = step_no + 1
         return loss
 

@@ -150,6 +150,12 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         recipe.make_optimizer(cfg, [torch.zeros(1, requires_grad=True)])  # fails here, not later
     except recipe.RecipeError as e:
         run.fail(e)
+    if cfg["pipeline"]["deferred_batch_norm"]:
+        from mpipipe.pipeline.deferred_bn import defer_batch_norm
+
+        if not defer_batch_norm(model):
+            run.fail(f"pipeline.deferred_batch_norm = true, but model {recipe.model_name(cfg)} "
+                     f"has no BatchNorm layer: it would change nothing; leave it false")
     route = Route.from_plan(run.plan, k)
     my_stage = route.stage_of(run.rank)
 

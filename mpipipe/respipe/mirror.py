@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mpipipe.core.transport import ACT, GRAD, LABEL, SHADOW
+from mpipipe.pipeline.deferred_bn import begin_step, commit_step
 from mpipipe.pipeline.engine import MAX_TAGGED_MICRO, LossFn, Pipeline, Route, micro_seed
 from mpipipe.pipeline.schedule import Op
 
@@ -181,6 +182,7 @@ class MirrorPipeline(Pipeline):
             self.last_wait_s = self.transport.wait_s - wait0
             self.last_compute_s = elapsed - self.last_wait_s
         self.inflight = None
+        commit_step(self.partitions[stage])  # deferred BatchNorm: the whole step's sums
         st.saved.clear()
         self.last_state = st if self.resumable else None
         self.step_count = step_no + 1
@@ -189,6 +191,7 @@ class MirrorPipeline(Pipeline):
     def _begin(self, stage: int, step_no: int) -> StepState:
         for p in self.partitions[stage].parameters():
             p.grad = None
+        begin_step(self.partitions[stage])
         self.inflight = StepState(stage, step_no)
         return self.inflight
 
