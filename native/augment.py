@@ -352,11 +352,11 @@ class Augment:
             x = self._crop_flip(x, self.draws(epoch, idx))
         return self._finish(x, out)
 
-    def _buffer(self, n: int, variants: int, shape: tuple[int, int, int], dtype: np.dtype) -> np.ndarray:
-        """The zero-bordered padded scratch buffer (n, variants, C, H+2P, W+2P): only its
-        interior is ever written, so its border stays zero from batch to batch."""
+    def _buffer(self, n: int, shape: tuple[int, int, int], dtype: np.dtype) -> np.ndarray:
+        """The zero-bordered padded scratch buffer (n, C, H+2P, W+2P): only its interior is
+        ever written, so its border stays zero from batch to batch."""
         c, h, w = shape
-        want = (variants, c, h + 2 * self.pad, w + 2 * self.pad)
+        want = (c, h + 2 * self.pad, w + 2 * self.pad)
         s = self._scratch
         if s is None or s.shape[1:] != want or s.dtype != dtype or s.shape[0] < n:
             s = self._scratch = np.zeros((n, *want), dtype=dtype)
@@ -365,19 +365,14 @@ class Augment:
     def _crop_flip(self, x: np.ndarray, d: Draws) -> np.ndarray:
         """Every sample's crop and flips in one gather.
 
-        The padded buffer holds each image once per flip combination (variant 0
-        unflipped for all; a flipped variant only for the samples that draw it).
-        A flip commutes with the crop by mirroring the crop's offset (flip after
+        A flip commutes with the crop by mirroring the crop's offset (flip after the
         crop at dx == crop at 2P - dx of the flipped image), so each sample is one
-        H x W window of one variant: a strided view of all windows, indexed by
-        (sample, variant, dy, dx), copies them all at once.
+        H x W window of its image, flipped first, in a zero-bordered buffer: the flipped
+        samples are written flipped, then a strided view of all windows, indexed by
+        (sample, dy, dx), copies every crop at once.
         """
         n, c, h, w = x.shape
         p = self.pad
-        variants = 1 << len(self._flips)
-        buf = self._buffer(n, variants, (c, h, w), x.dtype)
-        inner = buf[:, :, :, p:p + h, p:p + w]
-        inner[:, 0] = x
         variant = np.zeros(n, dtype=np.intp)
         wy, wx = d.dy, d.dx
         for name, bit, after_crop in self._flips:
@@ -388,17 +383,31 @@ class Augment:
                     wx = np.where(flipped, 2 * p - wx, wx)
                 else:
                     wy = np.where(flipped, 2 * p - wy, wy)
-        for v in range(1, variants):
+        buf = self._buffer(n, (c, h, w), x.dtype)
+        inner = buf[:, :, p:p + h, p:p + w]
+        inner[...] = x
+        for v in range(1, 1 << len(self._flips)):
             sel = np.flatnonzero(variant == v)
-            if not sel.size:
-                continue
-            src = x[sel]
-            for name, bit, _ in self._flips:
-                if v & bit:
-                    src = src[..., ::-1] if name == "hflip" else src[..., ::-1, :]
-            inner[sel, v] = src
+            if sel.size:
+                inner[sel] = self._flipped(x[sel], v)
+        if not p:
+            return inner
         s = buf.strides
-        windows = as_strided(buf, (n, variants, c, 2 * p + 1, 2 * p + 1, h, w),
-                             (s[0], s[1], s[2], s[3], s[4], s[3], s[4]), writeable=False)
-        return windows[np.arange(n), variant, :, wy, wx]
+        windows = as_strided(buf, (n, c, 2 * p + 1, 2 * p + 1, h, w), (s[0], s[1], s[2], s[3], s[2], s[3]),
+                             writeable=False)
+        return windows[np.arange(n), :, wy, wx]
 
+    def _flipped(self, x: np.ndarray, variant: int) -> np.ndarray:
+        """``x`` (a contiguous copy) with the flips of ``variant``. Left-right on bytes
+        reverses 8-byte words and swaps the bytes in each, 8 times fewer steps than
+        one byte at a time."""
+        for name, bit, _ in self._flips:
+            if not variant & bit:
+                continue
+            if name == "vflip":
+                x = x[..., ::-1, :]
+            elif x.dtype == np.uint8 and x.shape[-1] % 8 == 0 and x.flags.c_contiguous:
+                x = x.view(np.uint64)[..., ::-1].byteswap().view(np.uint8)
+            else:
+                x = x[..., ::-1]
+        return x

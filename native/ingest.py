@@ -160,16 +160,14 @@ def staged(out: Path, overwrite: bool, names: Sequence[str] = SPLITS) -> Iterato
     included, the directory is removed and OUT is left exactly as it was."""
     check_out(out, overwrite, names)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = None
-    try:
-        for k in itertools.count():  # a stale directory of a dead process with our PID is left alone
-            candidate = out.parent / f".{out.name}.partial-{os.getpid()}{f'-{k}' if k else ''}"
-            try:
-                candidate.mkdir()
-            except FileExistsError:
-                continue
-            partial = candidate
+    for k in itertools.count():  # a stale directory of a dead process with our PID is left alone
+        partial = out.parent / f".{out.name}.partial-{os.getpid()}{f'-{k}' if k else ''}"
+        try:
+            partial.mkdir()
             break
+        except FileExistsError:
+            continue
+    try:
         yield partial
         _installing.append(0)
         try:
@@ -177,8 +175,7 @@ def staged(out: Path, overwrite: bool, names: Sequence[str] = SPLITS) -> Iterato
         finally:
             _installing.clear()
     finally:
-        if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 # ---- class names in the manifest ------------------------------------------------------------
@@ -298,6 +295,7 @@ class Summary:
 
     @property
     def images_per_second(self) -> float:
+        """Records written per second of the whole conversion (listing and decoding included)."""
         return sum(self.records.values()) / max(self.seconds, 1e-9)
 
     def line(self) -> str:

@@ -113,14 +113,18 @@ class Replicas:
         while self._faults_at < min(self.done, total - 1):
             self._faults_at += 1
             self.faults.at_step(self._faults_at, by_rank=True)
-        if self.settings.mode == "hot":
-            self._mirror_step(k, stage_w)
-            return False
         R = self.settings.replicate_every
         nxt = (self.done // R + 1) * R
-        if nxt > total:
-            nxt = total  # no replica comes after the last step
+        if self.done >= total or (self.settings.mode != "hot" and nxt > total):
+            # Nothing comes after the last step but END. A stage that finished leaves at
+            # once: a probe for a next step would find it dead and start a round over a
+            # completed run (seed 3 #60); a stage dead after its last step ends this wait.
+            if self.ulfm and stage_w in ft.failed_ranks(self.world):
+                return True
             time.sleep(_BACKUP_POLL_S)
+            return False
+        if self.settings.mode == "hot":
+            self._mirror_step(k, stage_w)
             return False
         t = self.pipe.transport
         # Probe before receiving: a cancelled receive could lose a replica already matched.
