@@ -16,7 +16,7 @@ export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install test test-python test-mpi test-c test-stress test-slurm test-cluster chaos-quick demo bench lint clean
+.PHONY: install test test-python test-mpi test-c test-stress test-slurm test-cluster chaos-quick examples demo bench lint clean
 
 install: $(STAMP)
 
@@ -54,6 +54,18 @@ chaos-quick: $(STAMP)
 		--stages 3,4 --runs 12 --seed 1
 	$(PY) -m stannis chaos --config jobs/configs/stannis-digits.toml --set csd.slowdown=2.0 \
 		--runs 4 --seed 1
+
+# The examples of your own model (examples/README in the README), on tiny data: a
+# ResNet-18 with BatchNorm under ResPipe hot mode with a stage killed, and a BatchNorm +
+# Dropout CNN with AdamW and OneCycleLR under Stannis.
+examples: $(STAMP)
+	test -d data/digits || $(PY) -m native.convert digits data/digits
+	test -d data/synthetic32 || $(PY) -m native.convert synthetic --shape 3,32,32 --count 1024 data/synthetic32
+	test -f data/stannis-digits-2/split.json || $(PY) -m stannis prepare --csds 2 --out data/stannis-digits-2
+	$(MPIRUN) --with-ft ulfm -n 4 $(PY) examples/resnet18_respipe.py --data data/synthetic32 --width 16 \
+		--log runs/example-resnet18.h5
+	$(MPIRUN) -n 3 $(PY) examples/own_model_stannis.py --data data/stannis-digits-2 --log runs/example-stannis.h5
+	$(PY) -m mpipipe report runs/example-resnet18.h5 --no-plots
 
 test-slurm: $(STAMP)
 	bash tests/slurm/run.sh

@@ -263,8 +263,9 @@ class Augment:
             raise AugmentError(f"augmentation needs images of shape (C, H, W), got {tuple(shape)}")
         c, h, w = (int(s) for s in shape)
         if self.mean is not None and len(self.mean) != c:
-            raise AugmentError(f"mean and std have {len(self.mean)} values but the images have {c} "
-                               f"channel{'s' if c != 1 else ''} (shape {c}x{h}x{w}): give one value per channel")
+            k = len(self.mean)
+            raise AugmentError(f"mean and std have {k} value{'s' if k != 1 else ''} each but the images have "
+                               f"{c} channel{'s' if c != 1 else ''} (shape {c}x{h}x{w}): give one value per channel")
         if self.pad and self.pad >= min(h, w):
             raise AugmentError(f"augment op 'random_crop:{self.pad}' pads as much as the {h}x{w} image or "
                                f"more: give P < {min(h, w)}")

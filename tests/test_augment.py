@@ -229,7 +229,7 @@ def test_bad_ops_are_one_line_errors_naming_the_op_and_the_known_ones(ops, named
     ([0.5], [], None, "mean and std go together"),
     ([0.5, 0.5], [0.2, 0.0], None, "std must be positive"),
     (["a"], [0.2], None, "mean must be a list of numbers"),
-    ([0.5, 0.5], [0.2, 0.2], (3, 8, 8), "have 2 values but the images have 3 channels"),
+    ([0.5, 0.5], [0.2, 0.2], (3, 8, 8), "have 2 values each but the images have 3 channels"),
 ])
 def test_bad_mean_and_std_are_one_line_errors(mean, std, shape, words):
     with pytest.raises(data.TransformError) as e:
@@ -239,7 +239,8 @@ def test_bad_mean_and_std_are_one_line_errors(mean, std, shape, words):
 
 @pytest.mark.timeout(60)
 def test_the_channel_count_is_checked_when_the_data_set_is_known(cifarish):
-    with pytest.raises(data.TransformError, match=r"^data\.mean, data\.std: mean and std have 1 values"):
+    with pytest.raises(data.TransformError,
+                       match=r"^data\.mean, data\.std: mean and std have 1 value each but the images have 3 channels"):
         data.TrainBatches(cifarish, 32, seed=0, mean=[0.5], std=[0.2])
     with pytest.raises(data.TransformError, match="give P < 10"):
         data.TrainBatches(cifarish, 32, seed=0, augment=["random_crop:10"])
@@ -347,6 +348,6 @@ def test_stannis_stream_gives_each_record_its_draws_whatever_the_batch_sizes(cif
         for epoch in (0, 1):
             want = aug.apply(raw[record:record + 1], [record], epoch)[0]
             assert np.array_equal(a[record][epoch], want) and np.array_equal(b[record][epoch], want)
-    with pytest.raises(data.TransformError, match="have 1 values but the images have 3"):
+    with pytest.raises(data.TransformError, match="have 1 value each but the images have 3 channels"):
         BatchStream([(open_split(cifarish / "train"), np.arange(4))], seed=0,
                     augment=data.transforms({"mean": [0.5], "std": [0.2]}))
