@@ -20,9 +20,12 @@ configuration sections (see docs/configuration.md and jobs/configs/):
   [run]       seed, steps (or epochs), eval_every, log_every, checkpoint_every, checkpoint_dir
   [data]      path (a directory with train/ and test/ made by python -m native.convert),
               batch_size
-  [model]     name (lenet | vgg | resnet), num_classes
-  [optim]     name (sgd | adam), lr, schedule (constant | cosine), momentum, weight_decay
-  [pipeline]  stages (K, one rank each), balance (layers per stage, v x K entries for
+  [model]     factory ("file.py:function" or "package.module:function", your nn.Module),
+              kwargs, or name (lenet | vgg | resnet); num_classes, loss, loss_kwargs
+  [optim]     name (sgd | adam | any torch.optim class), lr, kwargs, scheduler (any
+              torch.optim.lr_scheduler class) and scheduler_kwargs, or schedule
+              (constant | cosine); momentum, weight_decay (sgd, adam)
+  [pipeline]  stages (K, one rank each), deferred_batch_norm, balance (layers per stage, v x K entries for
               interleaved-1f1b; [] = automatic),
               balance_by (time | params), chunks (micro-batches),
               schedule ({schedules}; see docs/pipeline.md)
