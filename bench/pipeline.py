@@ -19,6 +19,11 @@ as ratios, because the machine is shared and noisy:
 - interleaved_vs_torch: mpipipe interleaved 1F1B / torch's ScheduleInterleaved1F1B on the
   same 2K chunks
 - transport_vs_raw: mpipipe Transport / raw mpi4py Send/Recv, 1 MB ping-pong
+- resnet18_speedup_vs_single (and resnet18_vs_torch_pipelining): the same speed-up for a
+  user's model, the torchvision-style ResNet-18 with BatchNorm of
+  examples/resnet18_respipe.py (given as model.factory, traced into a chain), at
+  ``--resnet-width`` channels (16: a quarter of the real 64, so that a round fits the
+  time), 32x32 inputs, the same K, mini-batch and micro-batches; ``--resnet-rounds``
 
 The parallel parts run under `mpirun -n 2` (this script started again with --worker).
 """
@@ -46,14 +51,23 @@ def _gloo_env() -> dict[str, str]:
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
 
 
+RESNET18 = "examples/resnet18_respipe.py:ResNet18"  # a user's model, by its factory
+
+
 def _model_and_batch(args: argparse.Namespace):
     import torch
 
-    from mpipipe.core.models import build_model
+    from mpipipe.core import recipe
+    from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 
     torch.manual_seed(0)
     in_shape = (3, 32, 32)
-    model = build_model(args.model, 10, in_shape)
+    cfg = {k: dict(v) for k, v in PIPELINE_DEFAULTS.items()}
+    if args.model == "resnet18":
+        cfg["model"].update(factory=str(ROOT / RESNET18), kwargs={"width": args.resnet_width})
+    else:
+        cfg["model"].update(name=args.model)
+    model = recipe.build_model(cfg, in_shape)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, *in_shape, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
@@ -245,7 +259,8 @@ def worker(args: argparse.Namespace) -> None:
 def _launch(args: argparse.Namespace) -> dict:
     cmd = [__file__, "--worker",
            "--model", args.model, "--batch", str(args.batch), "--chunks", str(args.chunks),
-           "--steps", str(args.steps), "--rounds", str(args.rounds)]
+           "--steps", str(args.steps), "--rounds", str(args.rounds),
+           "--resnet-width", str(args.resnet_width)]
     result = run_mpi(K, cmd, env=_gloo_env(), timeout=1800)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
@@ -267,15 +282,23 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="1 round of 2 steps: checks the bench runs end to end, its figures "
                              "mean little")
+    parser.add_argument("--resnet-width", type=int, default=16,
+                        help="channels of the ResNet-18's stem (the real one: 64; default 16)")
+    parser.add_argument("--resnet-rounds", type=int, default=3,
+                        help="rounds of the ResNet-18 measurement (0: skip it)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.rounds = 2, 1
+        args.steps, args.rounds, args.resnet_rounds = 2, 1, min(args.resnet_rounds, 1)
     if args.worker:
         worker(args)
         return 0
 
     r = _launch(args)
+    resnet = None
+    if args.resnet_rounds > 0:
+        resnet = _launch(argparse.Namespace(**{**vars(args), "model": "resnet18",
+                                               "rounds": args.resnet_rounds}))
     best_ours = max(r["ours_gpipe"], r["ours_1f1b"])
     best_peer = max(r["torch_gpipe"], r["torch_1f1b"])
     best_single = max(r["single"], r["single_2threads"])
@@ -296,6 +319,17 @@ def main() -> int:
         "transport_vs_raw": round(r["raw_s"] / r["transport_s"], 3),
         "cpus_rank0": r["cpus"],
     }
+    if resnet is not None:
+        best_resnet = max(resnet["ours_gpipe"], resnet["ours_1f1b"])
+        figures.update({
+            "resnet18_width": args.resnet_width,
+            "resnet18_single_sps": round(resnet["single"], 1),
+            "resnet18_best_sps": round(best_resnet, 1),
+            "resnet18_speedup_vs_single": round(best_resnet / resnet["single"], 3),
+            "resnet18_vs_torch_pipelining": round(
+                best_resnet / max(resnet["torch_gpipe"], resnet["torch_1f1b"]), 3),
+            "resnet18_balance": resnet["balance"],
+        })
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -321,6 +355,12 @@ def main() -> int:
                 "vs_torch_pipelining", "speedup_interleaved_vs_single", "interleaved_vs_torch",
                 "transport_vs_raw"):
         print(f"  {key:<44} {figures[key]:9.3f}")
+    if resnet is not None:
+        print(f"ResNet-18 (width {args.resnet_width}, BatchNorm, from {RESNET18}), balance "
+              f"{resnet['balance']}: single {resnet['single']:.1f} samples/s, best mpipipe "
+              f"{figures['resnet18_best_sps']:.1f}")
+        for key in ("resnet18_speedup_vs_single", "resnet18_vs_torch_pipelining"):
+            print(f"  {key:<44} {figures[key]:9.3f}")
     return 0
 
 

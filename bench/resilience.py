@@ -38,6 +38,10 @@ because the machine is shared and noisy:
   of the failure-free hot run
 - stall_recovery_steps: from the stall of stage 1 to the next completed step, in
   median step times (deadline = 2 x median step time)
+- overhead_r10_resnet18: overhead_r10 for a user's model: the torchvision-style
+  ResNet-18 with BatchNorm of examples/resnet18_respipe.py (model.factory, width 16) on
+  random 3x32x32 images, cold R=10 against the plain pipeline, ``--resnet-steps`` steps;
+  its replicas carry BatchNorm's buffers and the momentum (replica_bytes_resnet18)
 - time_to_accuracy_respipe / _baseline: seconds to reach the accuracy target when
   stage 1 straggles (p = 0.1 per step, 2 s each): ResPipe replaces it after its first
   late step; the plain pipeline waits every time
@@ -159,10 +163,19 @@ def _outcome(result: subprocess.CompletedProcess, log: Path) -> str:
     return f"stopped after step {steps} (exit {result.returncode}): {error.split(':')[0]}"
 
 
-def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Path]]:
+RESNET18 = ('model.factory="examples/resnet18_respipe.py:ResNet18"', "model.kwargs={width = 16}",
+            'optim.schedule="constant"')
+
+
+def measure(steps: int, work: Path, repeat: int = 2, resnet_steps: int = 60
+            ) -> tuple[dict, dict[str, Path]]:
     """Run the jobs; return the figures and the logs by name."""
     subprocess.run([sys.executable, "-m", "native.convert", "digits", str(work / "digits"), "--overwrite"],
                    cwd=ROOT, env=mpirun_env(), check=True, capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "native.convert", "synthetic", "--shape", "3,32,32",
+                    "--count", "2048", str(work / "synthetic32"), "--overwrite", "--quiet"],
+                   cwd=ROOT, env=mpirun_env(), check=True, capture_output=True, timeout=120)
+    resnet = (*RESNET18, f'data.path="{work / "synthetic32"}"')
     kill_at, stall_at = kill_step(steps), steps // 2
     r10 = (ALL, f"resilience.replicate_every={R}")
     plain = (NONE, *SPARES)
@@ -180,6 +193,9 @@ def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Pa
         "plain_delay": (*plain, "inject:delay:stage=1:p=0.1:seconds=2"),
     }
     clean = ("plain", "r1", "r10", "hot")
+    if resnet_steps > 0:
+        jobs.update({"plain_resnet18": (*plain, *resnet), "r10_resnet18": (*r10, *resnet)})
+        clean += ("plain_resnet18", "r10_resnet18")
     logs, results = {}, {}
     # The failure-free jobs run `repeat` times, interleaved, and each keeps its fastest
     # run: other processes on the machine slow whole jobs down at random.
@@ -189,7 +205,8 @@ def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Pa
     compute: dict[str, list[float]] = {}
     for i, name in enumerate(order):
         tag = name if name not in medians else f"{name}-{i}"
-        result, log = _train(work, tag, RANKS, steps, *jobs[name])
+        result, log = _train(work, tag, RANKS, resnet_steps if "resnet" in name else steps,
+                             *jobs[name])
         if name != "plain_kill" and result.returncode != 0:
             raise RuntimeError(f"job {name} failed: {result.stderr[-2000:]}")
         medians.setdefault(name, []).append(_median_step_s(log))
@@ -239,6 +256,9 @@ def measure(steps: int, work: Path, repeat: int = 2) -> tuple[dict, dict[str, Pa
         "time_to_accuracy_respipe": _time_to(logs["delay"], TARGET),
         "time_to_accuracy_baseline": _time_to(logs["plain_delay"], TARGET),
     }
+    if resnet_steps > 0:
+        figures["overhead_r10_resnet18"] = fastest("r10_resnet18") / fastest("plain_resnet18") - 1
+        figures["replica_bytes_resnet18"] = _event(logs["r10_resnet18"], "cost_model").get("replica_bytes")
     return figures, logs
 
 
@@ -285,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs of each failure-free job, interleaved (default 2)")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep the run logs in a new directory under DIR")
+    parser.add_argument("--resnet-steps", type=int, default=60,
+                        help="steps of the ResNet-18 jobs (0: skip them)")
     parser.add_argument("--quick", action="store_true",
                         help="60 steps, one run of each job: checks the bench runs end to end, "
                              "its figures mean little")
@@ -295,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         # Fresh log paths on every invocation: a run never writes over an old log.
         work = (Path(args.keep) if args.keep else Path(tmp)) / time.strftime("%Y%m%d-%H%M%S")
         work.mkdir(parents=True, exist_ok=False)
-        figures, logs = measure(args.steps, work, max(args.repeat, 1))
+        figures, logs = measure(args.steps, work, max(args.repeat, 1), args.resnet_steps)
         plot(logs, Path(args.out))
     if args.json:
         print(json.dumps(figures))

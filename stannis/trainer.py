@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from mpipipe.core import ft, recipe, stop, watchdog
 from mpipipe.core.cli import Run, start_run
-from mpipipe.core.data import DataFault, label_range_ok, test_batches
+from mpipipe.core.data import DataFault, label_range_ok, test_batches, transforms
 from mpipipe.core.faults import FaultPlan, parse_all
 from mpipipe.core.logschema import EventKind
 from mpipipe.core.lr import decay, set_lr
@@ -246,7 +246,11 @@ class Trainer:
         classes = cfg["model"]["num_classes"]
         for reader in {id(r): r for r, _ in parts}.values():
             label_range_ok(reader, classes)  # DataError: labels outside the model's classes
-        return BatchStream(parts, seed=seed * 1000 + self.world_rank, num_classes=classes), test
+        # Each sample's draws: (run.seed, this rank's epoch, its record in its data set);
+        # a TransformError is a DataError, agreed on with the others' verdicts.
+        augment = transforms(cfg["data"], seed=seed)
+        return BatchStream(parts, seed=seed * 1000 + self.world_rank, num_classes=classes,
+                           augment=augment), test
 
     def _in_shape(self) -> tuple[int, ...]:
         reader = self.stream.parts[0][0]
@@ -727,7 +731,8 @@ class Trainer:
         correct = count = 0
         loss = 0.0
         with torch.no_grad():
-            for x, y in test_batches(f"{self.cfg['data']['path']}/public", 1024):
+            d = self.cfg["data"]
+            for x, y in test_batches(f"{d['path']}/public", 1024, mean=d["mean"], std=d["std"]):
                 watchdog.beat()
                 out = self.model(x)
                 loss += float(self.loss_fn(out, y).item()) * len(y)

@@ -106,6 +106,12 @@ def _static_checks(cfg: dict) -> str | None:
                 f"{p['chunks']}: every micro-batch needs at least one sample")
     if cfg["run"]["steps"] < 1 and cfg["run"]["epochs"] < 1:
         return "set run.steps or run.epochs to a positive number"
+    from mpipipe.core.data import TransformError, transforms
+
+    try:
+        transforms(d)  # data.augment, data.mean, data.std; their fit to the images: in setup
+    except TransformError as e:
+        return str(e)
     return None
 
 
@@ -130,6 +136,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     path = cfg["data"]["path"]
     try:
         in_shape = data.image_shape(path)
+        data.transforms(cfg["data"], in_shape)  # TransformError, a DataError: on every rank
         total = data.run_steps(cfg)
         eval_batches = data.count_test_batches(path, cfg["data"]["batch_size"])
         note = data.check_labels(path, cfg["model"]["num_classes"])
@@ -211,11 +218,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     setup_ = Setup(run, model, pipe, optimizer, loss_fn, in_shape, total, schedule,
                    eval_batches=eval_batches)
     if pipe.first:
-        setup_.train_data = data.TrainBatches(path, cfg["data"]["batch_size"],
-                                              seed=cfg["run"]["seed"],
-                                              shuffle=cfg["data"]["shuffle"],
-                                              drop_last=cfg["data"]["drop_last"],
-                                              num_classes=cfg["model"]["num_classes"])
+        setup_.train_data = data.TrainBatches.from_config(cfg)
     error = None
     if state is not None:
         assert pipe.stage_module is not None
@@ -304,7 +307,8 @@ def evaluate(s: Setup) -> float:
     pipe, path, bs = s.pipe, s.run.cfg["data"]["path"], s.run.cfg["data"]["batch_size"]
     correct = count = 0
     if pipe.first:
-        batches = data.test_batches(path, bs)
+        batches = data.test_batches(path, bs, mean=s.run.cfg["data"]["mean"],
+                                    std=s.run.cfg["data"]["std"])
         for x, y in batches:
             result = pipe.evaluate(x, y)
             if result is not None:

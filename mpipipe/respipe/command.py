@@ -75,7 +75,8 @@ def _eval_fn(cfg: Mapping[str, Any], eval_batches: int
         correct = count = 0
         result = None
         if pipe.first:
-            batches: Iterable[tuple[Any, Any]] = data.test_batches(path, bs)
+            batches: Iterable[tuple[Any, Any]] = data.test_batches(path, bs, mean=cfg["data"]["mean"],
+                                                                   std=cfg["data"]["std"])
         else:
             batches = ((None, None) for _ in range(eval_batches))
         for x, y in batches:
@@ -121,11 +122,7 @@ def train(run: Any) -> int:
     def open_reader() -> Any:
         # Opened on first use: only the ranks that read data ever open it.
         if not reader:
-            reader.append(data.TrainBatches(cfg["data"]["path"], cfg["data"]["batch_size"],
-                                            seed=cfg["run"]["seed"],
-                                            shuffle=cfg["data"]["shuffle"],
-                                            drop_last=cfg["data"]["drop_last"],
-                                            num_classes=cfg["model"]["num_classes"]))
+            reader.append(data.TrainBatches.from_config(cfg))
         return reader[0]
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
