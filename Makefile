@@ -55,9 +55,10 @@ chaos-quick: $(STAMP)
 	$(PY) -m stannis chaos --config jobs/configs/stannis-digits.toml --set csd.slowdown=2.0 \
 		--runs 4 --seed 1
 
-# The examples of your own model (examples/README in the README), on tiny data: a
-# ResNet-18 with BatchNorm under ResPipe hot mode with a stage killed, and a BatchNorm +
-# Dropout CNN with AdamW and OneCycleLR under Stannis.
+# The examples of your own model and data (see the README), on tiny data: a ResNet-18
+# with BatchNorm under ResPipe hot mode with a stage killed, a BatchNorm + Dropout CNN
+# with AdamW and OneCycleLR under Stannis, and a folder of PNGs made at run time,
+# converted and trained on with augmentation under ResPipe.
 examples: $(STAMP)
 	test -d data/digits || $(PY) -m native.convert digits data/digits
 	test -d data/synthetic32 || $(PY) -m native.convert synthetic --shape 3,32,32 --count 1024 data/synthetic32
@@ -66,6 +67,7 @@ examples: $(STAMP)
 		--log runs/example-resnet18.h5
 	$(MPIRUN) -n 3 $(PY) examples/own_model_stannis.py --data data/stannis-digits-2 --log runs/example-stannis.h5
 	$(PY) -m mpipipe report runs/example-resnet18.h5 --no-plots
+	bash examples/own_images.sh runs/example-own-images
 
 test-slurm: $(STAMP)
 	bash tests/slurm/run.sh

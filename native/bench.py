@@ -9,7 +9,10 @@ interleave the methods.
 ``--augment``: the training recipe instead (random_crop:4 + hflip + normalize):
 native gather + native.Augment on the batch, against a torch DataLoader with two
 workers doing the same transforms per sample in Python; and the augmentation's
-time per batch as a share of one LeNet training step on that batch.
+time per batch as a share of one LeNet training step on that batch. It also times
+`native.ingest.convert_folder` (``python -m native.convert folder``) on a generated
+folder of PNG and JPEG files of mixed sizes, in images per second: the step a user
+runs before training on their own images.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ AUGMENT_KEYS = (
     "augment_ms_per_batch",
     "lenet_step_ms",
     "augment_share_of_lenet_step",
+    "convert_folder_images_per_s",
 )
+FOLDER_CLASSES = ("ant", "bee", "cat")
+FOLDER_IMAGES = 600  # about 1 s to convert on a loaded 2-CPU machine: --augment stays well under a minute
+FOLDER_SIZE = 32
 AUGMENT_OPS = ("random_crop:4", "hflip")
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -347,6 +354,58 @@ def run_augment(records: int, batch: int, batches: int, loader_batches: int, ste
     }
 
 
+def make_image_folder(root: Path, images: int, seed: int = 0) -> None:
+    """root/<class>/img<i>.png|jpg, `images` files spread over FOLDER_CLASSES, seeded.
+
+    Half PNG, half JPEG, each side 48..128 px, so the conversion decodes both formats
+    and scales and crops every image, as it does a photo folder of mixed sizes. The
+    content is smooth with a little noise: JPEG and PNG then compress about as they
+    do real pictures (pure noise would make the PNGs unrealistically large)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in FOLDER_CLASSES:
+        (root / c).mkdir(parents=True)
+    for i in range(images):
+        h, w = (int(v) for v in rng.integers(48, 129, 2))
+        y, x = np.mgrid[0:h, 0:w]
+        base = np.stack([x * 255 // w, y * 255 // h, np.full_like(x, (37 * i) % 256)], axis=-1)
+        pixels = (base + rng.integers(0, 24, (h, w, 3))).clip(0, 255).astype(np.uint8)
+        target = root / FOLDER_CLASSES[i % len(FOLDER_CLASSES)] / f"img{i}.{'png' if i % 2 == 0 else 'jpg'}"
+        if i % 2 == 0:
+            Image.fromarray(pixels).save(target)
+        else:
+            Image.fromarray(pixels).save(target, quality=85)
+
+
+def run_convert_folder(images: int, rounds: int, directory: Path) -> dict[str, Any]:
+    """`convert_folder` of a generated image folder to FOLDER_SIZE px square, in images/s by the wall clock
+    (it decodes, writes and fsyncs: waiting on the disk is part of its cost), median of
+    `rounds` conversions into fresh OUT directories. Only the conversion is timed, not
+    making the folder; the first round also warms the page cache, as a user's second
+    conversion of the same folder would find it.
+
+    Raises:
+        RuntimeError: the conversion did not write every image, or lost the class names.
+    """
+    from .ingest import classes_of, convert_folder
+
+    src = directory / "folder"
+    make_image_folder(src, images)
+    rates: list[float] = []
+    for r in range(rounds):
+        out = directory / f"converted-{r}"
+        t0 = time.perf_counter()
+        summary = convert_folder(src, out, size=(FOLDER_SIZE, FOLDER_SIZE))
+        dt = time.perf_counter() - t0
+        if sum(summary.records.values()) != images or classes_of(out / "train") != list(FOLDER_CLASSES):
+            raise RuntimeError(f"convert_folder wrote {summary.records} with classes {summary.classes}, "
+                               f"expected {images} images of {list(FOLDER_CLASSES)}")
+        rates.append(images / max(dt, 1e-9))
+    return {"convert_folder_images_per_s": statistics.median(rates),
+            "_spread": {"convert_folder_images_per_s": (min(rates), max(rates))}}
+
+
 def main_augment(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()[0]
     records = args.records if args.records is not None else 25_600
@@ -354,6 +413,9 @@ def main_augment(args: argparse.Namespace) -> int:
         res = run_augment(records, args.batch, args.batches if args.batches is not None else 40,
                           args.loader_batches if args.loader_batches is not None else 10,
                           args.lenet_steps, args.rounds, Path(tmp))
+        folder = run_convert_folder(FOLDER_IMAGES, args.rounds, Path(tmp))
+    res["convert_folder_images_per_s"] = folder["convert_folder_images_per_s"]
+    res["_spread"].update(folder["_spread"])
     if args.json:
         print(json.dumps({k: round(float(res[k]), 4) for k in AUGMENT_KEYS}))
         return 0
@@ -369,6 +431,8 @@ def main_augment(args: argparse.Namespace) -> int:
         ("DataLoader, 2 workers, per sample (images/s)", "dataloader_images_per_s", "{:>10.0f}", "{:.0f}..{:.0f}"),
         ("Augment, CPU ms per batch", "augment_ms_per_batch", "{:>10.2f}", "{:.2f}..{:.2f}"),
         ("LeNet step (fwd+bwd+SGD), CPU ms per batch", "lenet_step_ms", "{:>10.1f}", "{:.1f}..{:.1f}"),
+        (f"convert folder, {FOLDER_IMAGES} PNG/JPEG to {FOLDER_SIZE}px (images/s)",
+         "convert_folder_images_per_s", "{:>10.0f}", "{:.0f}..{:.0f}"),
     ]
     for label, key, fmt, sfmt in rows:
         print(f"{label:<48}{fmt.format(res[key])}   {sfmt.format(*spread[key])}")
@@ -392,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--augment", action="store_true",
                    help="benchmark the training recipe instead: gather + native.Augment (random_crop:4, "
                    "hflip, normalize) vs a 2-worker DataLoader transforming per sample, and the "
-                   "augmentation's share of a LeNet step")
+                   "augmentation's share of a LeNet step, and folder conversion (images/s)")
     p.add_argument("--records", type=int, default=None, help="records in the shard (200000; --augment: 25600)")
     p.add_argument("--batch", type=int, default=256, help="records per batch (256)")
     p.add_argument("--batches", type=int, default=None, help="batches per method per round (300; --augment: 40)")
