@@ -55,7 +55,7 @@ AUGMENT_KEYS = (
     "convert_folder_images_per_s",
 )
 FOLDER_CLASSES = ("ant", "bee", "cat")
-FOLDER_IMAGES = 600  # about 1 s to convert on a loaded 2-CPU machine: --augment stays well under a minute
+FOLDER_IMAGES = 600  # under a second a round on a loaded 2-CPU machine: --augment stays well under a minute
 FOLDER_SIZE = 32
 AUGMENT_OPS = ("random_crop:4", "hflip")
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
