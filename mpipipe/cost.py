@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mpipipe.core.cli import add_dry_run_arguments
 from mpipipe.respipe.costmodel import DEFAULT_R, MODES, shapes_from_config, trade_off
 
 __all__ = ["add_parser", "cost_main", "format_table"]
@@ -48,15 +49,11 @@ def add_parser(subparsers: Any) -> Any:
                     "over a range of replication intervals R, in cold and hot modes, and the "
                     "updates a takeover can lose. The model is built from the configuration.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE", help="TOML configuration (jobs/configs/)")
-    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
-                        help="override one configuration key (repeatable)")
+    add_dry_run_arguments(parser)
     parser.add_argument("--r", metavar="R,R,...", default=",".join(map(str, DEFAULT_R)),
                         help="replication intervals to tabulate (default: %(default)s)")
     parser.add_argument("--modes", metavar="MODE,...", default="cold,hot,neighbour",
                         help="modes to tabulate (default: %(default)s)")
-    parser.add_argument("--in-shape", metavar="C,H,W",
-                        help="input shape, if the data set is not there to read it from")
     parser.add_argument("--json", action="store_true", help="one JSON line instead of a table")
     parser.set_defaults(func=cost_main)
     return parser

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mpipipe.core.cli import add_dry_run_arguments
+
 __all__ = ["StagePlan", "ModelPlan", "add_parser", "plan_main", "build_plan", "format_plan"]
 
 PROG = "python -m mpipipe plan"
@@ -259,11 +261,7 @@ def add_parser(subparsers: Any) -> Any:
         description="Dry run: build the configuration's model exactly as a training run does\n"
                     "and print its layers and the per-stage cut, before launching MPI.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE", help="TOML configuration (jobs/configs/)")
-    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
-                        help="override one configuration key (repeatable)")
-    parser.add_argument("--in-shape", metavar="C,H,W",
-                        help="input shape, if the data set is not there to read it from")
+    add_dry_run_arguments(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     parser.set_defaults(func=plan_main)
     return parser

@@ -63,6 +63,10 @@ _HIGHLIGHTS = (
     "stannis.imbalance_threshold", "stannis.inject", "csd.slowdown", "csd.slowdowns", "csd.emulated",
     "host.energy",
 )
+# Where a run's data set keeps its training split under data.path: train/ (mpipipe), or
+# public/train/ (stannis prepare: the host's public part; the CSDs' parts hold the same classes).
+_TRAIN_SPLITS = ("train", "public/train")
+MAX_CLASSES_SHOWN = 20  # a 1000-class data set gets the first names and a count, not a page of them
 _QUIET_SECTIONS = frozenset({"run", "data", "model", "optim", "pipeline", "resilience", "plan",
                              "stannis", "host", "csd"})
 
@@ -244,6 +248,45 @@ def config_highlights(run: RunData) -> list[str]:
     return out
 
 
+def dataset_classes(run: RunData) -> list[str] | None:
+    """The class names of the data set the run trained on, read from its manifest now.
+
+    Why: the log records only ``data.path``, and label numbers mean nothing to a reader
+    without the names (issue 27); the names live in the data set's manifest
+    (`native.classes_of`). The path is taken as the run was given it, so a relative one
+    is read from the current directory, as the run read it. A data set that has moved,
+    been deleted, or has no names (made from arrays), gives None: a report of an old
+    log must still work, so nothing here ever raises.
+    """
+    data = run.config.get("data") if isinstance(run.config, dict) else None
+    root = data.get("path") if isinstance(data, dict) else None
+    if not isinstance(root, str) or not root:
+        return None
+    try:  # here, not at the top: a report of logs copied to a laptop needs no built extension
+        from native import ShardError, classes_of
+    except ImportError:
+        return None
+    for split in _TRAIN_SPLITS:
+        where = Path(root) / split
+        try:
+            if not where.is_dir():
+                continue
+            names = classes_of(where)
+        except (ShardError, OSError, ValueError):  # no manifest, unreadable, or a malformed "classes"
+            continue
+        if names:
+            return names
+    return None
+
+
+def classes_line(names: Sequence[str]) -> str:
+    """``classes: a, b, c`` (label i is the i-th name); past MAX_CLASSES_SHOWN names, the
+    first ones and how many there are, so the summary stays a summary."""
+    if len(names) <= MAX_CLASSES_SHOWN:
+        return "classes: " + ", ".join(names)
+    return f"classes: {', '.join(names[:MAX_CLASSES_SHOWN])}, ... ({len(names)} in all)"
+
+
 def _wrap(words: list[str], indent: str, width: int = 100) -> list[str]:
     lines, line = [], indent
     for w in words:
@@ -298,6 +341,9 @@ def summarize(run: RunData) -> str:
     if cfg:
         lines.append("   config:")
         lines += _wrap(cfg, "     ")
+    names = dataset_classes(run)
+    if names:
+        lines.append("   " + classes_line(names))
 
     if n == 0:
         lines.append("   steps: none recorded")

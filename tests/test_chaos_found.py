@@ -6,14 +6,12 @@ its deadline because it is a sleep, and each run is checked against a failure-fr
 
 from __future__ import annotations
 
-import math
-from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
 
-from mpipipe.core.launch import run_mpi
+from jobs import checkpoint_tensors, completed_once, make_runs
 from mpipipe.core.runlog import open_log
 
 STEPS = 30
@@ -23,30 +21,15 @@ ALL = 'resilience.backups="all"'
 @pytest.fixture(scope="module")
 def runs(respipe_args, tmp_path_factory):
     """run(name, ranks, *settings) -> (CompletedProcess, log, checkpoint dir)."""
-    base = tmp_path_factory.mktemp("found")
-
-    @cache
-    def run(name: str, ranks: int, *settings: str, ulfm: bool = True):
-        log = base / f"{name}.h5"
-        result = run_mpi(ranks, respipe_args(log, *settings, steps=STEPS), ulfm=ulfm, timeout=240)
-        return result, log, base / f"{name}-ckpt"
-
-    return run
+    return make_runs(respipe_args, tmp_path_factory.mktemp("found"), STEPS)
 
 
 def _state(ckpt: Path) -> list[torch.Tensor]:
-    files = sorted(ckpt.glob("stage-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    return [t for p in files for t in torch.load(p, weights_only=False)["params"].values()]
+    return checkpoint_tensors(ckpt)
 
 
 def _completed_once(result, log: Path) -> object:
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "Traceback" not in result.stderr, result.stderr[-4000:]
-    run = open_log(log)
-    assert run.attrs["status"] == "completed"
-    assert [int(s) for s in run.steps["step"]] == list(range(1, STEPS + 1))
-    assert all(math.isfinite(float(x)) for x in run.steps["loss"]), run.steps["loss"]
-    return run
+    return completed_once(result, log, STEPS)
 
 
 def _exact(runs, name: str, *settings: str) -> object:

@@ -28,7 +28,18 @@ from mpipipe.core.progress import Progress, startup_line
 from mpipipe.core.roles import LaunchPlan, PlanError, check_world_size, fail_fast
 from mpipipe.core.runlog import LogError, RunLog
 
-__all__ = ["Run", "add_train_arguments", "start_run", "gather_figures"]
+__all__ = ["Run", "add_train_arguments", "add_dry_run_arguments", "start_run", "gather_figures"]
+
+
+def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the commands that build a configuration's model without MPI
+    (``cost``, ``plan``): the configuration, overrides, and the input shape when the
+    data set is not there to read it from."""
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration (jobs/configs/)")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="override one configuration key (repeatable)")
+    parser.add_argument("--in-shape", metavar="C,H,W",
+                        help="input shape, if the data set is not there to read it from")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser, *, resume: bool = True) -> None:
