@@ -281,3 +281,33 @@ def test_stannis_from_python_gives_the_host_the_final_model(stannis_split, tmp_p
     assert open_log(str(out) + ".h5").attrs["status"] == "completed"
     got = torch.load(str(out) + ".pt", weights_only=True)
     assert any(k.endswith("running_mean") for k in got)  # BatchNorm's statistics came back
+
+
+@pytest.mark.timeout(900)
+def test_replicas_of_your_model_are_the_bytes_the_cost_model_counts(runs):
+    # The failure-free ResPipe run (cold R = 1, one backup per stage) of the BatchNorm
+    # model with AdamW: every step's payload bytes, summed over the ranks, equal the cost
+    # model's, whose replica bytes are the stage state's exact layout (parameters,
+    # BatchNorm's buffers, AdamW's moments and step counters).
+    from mpipipe.pipeline.partition import split
+    from mpipipe.respipe import costmodel
+
+    result, log, _ = runs("respipe", 6, 'resilience.backups="all"', "resilience.replicate_every=1",
+                          ulfm=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = open_log(log)
+    balance = [int(b) for b in str(run.attrs["balance"]).strip("[]").split(",")]
+    cfg = _cfg()
+    torch.manual_seed(SEED)
+    model = recipe.build_model(cfg, (1, 8, 8))
+    shapes, in_bytes = costmodel.stage_shapes(split(model, balance), (1, 8, 8),
+                                              lambda p: recipe.make_optimizer(cfg, p), stages=3)
+    assert all(s.state > 2 * s.params for s in shapes if s.params)  # moments + buffers
+    cost = costmodel.predict(shapes, batch_size=BATCH, backups=dict.fromkeys(range(3), 1),
+                             replicate_every=1, mode="cold", label_bytes=8, input_bytes=in_bytes)
+    measured: dict[int, int] = {}
+    for figures in run.ranks.values():
+        for step, sent in zip(figures["step"], figures["bytes_sent"], strict=True):
+            measured[int(step)] = measured.get(int(step), 0) + int(sent)
+    assert sorted(measured) == list(range(1, STEPS + 1))
+    assert measured == {s: cost.at_step(s) for s in measured}

@@ -60,7 +60,8 @@ class StageShape:
 
     ``act_out`` is bytes per sample of the activation it sends forward (0 for
     the last stage); ``params`` and ``state`` are the bytes of its parameters
-    and of the optimizer state that a replica carries with them.
+    and of the rest a replica carries with them: buffers (BatchNorm's statistics) and
+    the optimizer's state (mpipipe.core.statecodec).
     """
 
     act_out: int
