@@ -41,7 +41,7 @@ because the machine is shared and noisy:
 - overhead_r10_resnet18: overhead_r10 for a user's model: the torchvision-style
   ResNet-18 with BatchNorm of examples/resnet18_respipe.py (model.factory, width 16) on
   random 3x32x32 images, cold R=10 against the plain pipeline, ``--resnet-steps`` steps;
-  its replicas carry BatchNorm's buffers and the momentum (replica_bytes_resnet18)
+  its replicas carry BatchNorm's buffers and the momentum (replica_bytes_per_step_resnet18)
 - time_to_accuracy_respipe / _baseline: seconds to reach the accuracy target when
   stage 1 straggles (p = 0.1 per step, 2 s each): ResPipe replaces it after its first
   late step; the plain pipeline waits every time
@@ -258,7 +258,8 @@ def measure(steps: int, work: Path, repeat: int = 2, resnet_steps: int = 60
     }
     if resnet_steps > 0:
         figures["overhead_r10_resnet18"] = fastest("r10_resnet18") / fastest("plain_resnet18") - 1
-        figures["replica_bytes_resnet18"] = _event(logs["r10_resnet18"], "cost_model").get("replica_bytes")
+        # the cost model's replica bytes per step (R = 10: a tenth of every stage's replica)
+        figures["replica_bytes_per_step_resnet18"] = _event(logs["r10_resnet18"], "cost_model").get("replica")
     return figures, logs
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where used: the cost command and the report never need it
@@ -57,6 +57,10 @@ class StateLayout:
     params: list[Any]
     optim: list[dict[str, tuple[str, Any]]]
     nbytes: int
+    # Consecutive tensor segments of one dtype: (offset, bytes, dtype, sources, segments),
+    # a source ("m", i) the i-th module tensor or ("o", i, key) the i-th parameter's
+    # optimizer state. One concatenation per run packs them (the hot path).
+    runs: list[tuple[int, int, Any, list[tuple], list[_Segment]]] = field(default_factory=list)
 
     @property
     def param_bytes(self) -> int:
@@ -132,6 +136,7 @@ def layout_of(module: nn.Module, optimizer: Any = None) -> StateLayout:
                                  f"tensors, numbers and None only")
         optim.append(kinds)
     module_segs: list[_Segment | None] = [None] * len(tensors)
+    runs: list[tuple[int, int, Any, list[tuple], list[_Segment]]] = []
     offset = 0
     for neg_size, _, where, idx, dtype, shape in sorted(wanted):
         n = 1
@@ -141,12 +146,21 @@ def layout_of(module: nn.Module, optimizer: Any = None) -> StateLayout:
         offset += seg.nbytes
         if where == "m":
             module_segs[idx] = seg
+            source: tuple | None = ("m", idx)
         else:
             i, k = idx
-            optim[i][k] = (optim[i][k][0], seg) if optim[i][k][0] == "tensor" \
-                else ("py", (optim[i][k][1], seg))
+            tensor = optim[i][k][0] == "tensor"
+            optim[i][k] = (optim[i][k][0], seg) if tensor else ("py", (optim[i][k][1], seg))
+            source = ("o", i, k) if tensor else None
+        if source is None:
+            continue
+        if runs and runs[-1][2] == dtype and runs[-1][0] + runs[-1][1] == seg.offset:
+            start, size, _, sources, segs = runs[-1]
+            runs[-1] = (start, size + seg.nbytes, dtype, [*sources, source], [*segs, seg])
+        else:
+            runs.append((seg.offset, seg.nbytes, dtype, [source], [seg]))
     layout = StateLayout(names, tensors, [s for s in module_segs if s is not None],
-                         params, optim, offset)
+                         params, optim, offset, runs)
     _LAYOUTS.setdefault(module, {})[key] = layout
     return layout
 
@@ -167,18 +181,28 @@ def pack_state(module: nn.Module, optimizer: Any = None,
 
     lay = layout_of(module, optimizer)
     flat = out if out is not None else torch.empty(lay.nbytes, dtype=torch.uint8)
+    state = optimizer.state if optimizer is not None else {}
     with torch.no_grad():
-        for t, seg in zip(lay.tensors, lay.module, strict=True):
-            _view(flat, seg).copy_(t)
-        state = optimizer.state if optimizer is not None else {}
+        for start, size, dtype, sources, segs in lay.runs:
+            parts = []
+            for src in sources:
+                t = lay.tensors[src[1]] if src[0] == "m" else \
+                    state.get(lay.params[src[1]], {}).get(src[2])
+                if t is None:  # no optimizer state yet (no step taken): zeros
+                    parts = None
+                    break
+                parts.append(t.reshape(-1))
+            if parts is not None:
+                torch.cat(parts, out=flat[start:start + size].view(dtype))
+                continue
+            for src, seg in zip(sources, segs, strict=True):
+                t = lay.tensors[src[1]] if src[0] == "m" else \
+                    state.get(lay.params[src[1]], {}).get(src[2])
+                _view(flat, seg).copy_(t) if t is not None else _view(flat, seg).zero_()
         for p, kinds in zip(lay.params, lay.optim, strict=True):
-            st = state.get(p, {})
             for k, (kind, seg) in kinds.items():
-                if kind == "tensor":
-                    v = st.get(k)
-                    _view(flat, seg).copy_(v) if v is not None else _view(flat, seg).zero_()
-                elif kind == "py":
-                    _view(flat, seg[1]).fill_(float(st.get(k, 0)))
+                if kind == "py":
+                    _view(flat, seg[1]).fill_(float(state.get(p, {}).get(k, 0)))
     return flat
 
 

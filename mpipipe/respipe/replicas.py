@@ -73,9 +73,14 @@ class Replicas:
         t.flush(self._deadline())
 
     def _replica_buffer(self, stage: int) -> torch.Tensor:
-        """A buffer for a replica of ``stage``: its exact size, from the stage's layout."""
-        opt = self.optimizer if stage == self.stage else self.make_optimizer(self._params(stage))
-        return torch.empty(state_nbytes(self._module(stage), opt), dtype=torch.uint8)
+        """A buffer for a replica of ``stage``: its exact size, from the stage's layout
+        (computed once per stage module: a neighbour's merge makes new modules)."""
+        module = self._module(stage)
+        sizes = self.__dict__.setdefault("_replica_sizes", {})
+        if id(module) not in sizes:
+            opt = self.optimizer if stage == self.stage else self.make_optimizer(self._params(stage))
+            sizes[id(module)] = (module, state_nbytes(module, opt))  # the module kept: ids stay unique
+        return torch.empty(sizes[id(module)][1], dtype=torch.uint8)
 
     def _take_replica(self, source_w: int, stage: int, count: int, t: Any,
                       deadline: float | None = None) -> None:
