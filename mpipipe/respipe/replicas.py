@@ -76,7 +76,7 @@ class Replicas:
         """A buffer for a replica of ``stage``: its exact size, from the stage's layout
         (computed once per stage module: a neighbour's merge makes new modules)."""
         module = self._module(stage)
-        sizes = self.__dict__.setdefault("_replica_sizes", {})
+        sizes = self._replica_sizes
         if id(module) not in sizes:
             opt = self.optimizer if stage == self.stage else self.make_optimizer(self._params(stage))
             sizes[id(module)] = (module, state_nbytes(module, opt))  # the module kept: ids stay unique

@@ -164,6 +164,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self.done = 0
         self.snapshot: _Slot | None = None
         self.slots: list[_Slot] = []  # held replicas (backup or neighbour), newest last
+        self._replica_sizes: dict[int, tuple[nn.Module, int]] = {}  # id(stage module) -> bytes
         self.optimizer: torch.optim.Optimizer | None = None
         self._mirror_of: int | None = None  # hot: the stage whose optimizer self.optimizer is
         self._mirror_snap: _Slot | None = None  # hot: the mirror's state before its step
