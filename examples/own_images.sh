@@ -53,7 +53,7 @@ PYEOF
 "$MPIRUN" --oversubscribe --with-ft ulfm -n 6 "$PY" -m mpipipe train \
     --config jobs/configs/respipe-digits.toml \
     --set "data.path=\"$WORK/shapes\"" --set model.name=vgg --set model.num_classes=3 \
-    --set 'model.factory=""' --set run.steps=60 --set run.eval_every=20 \
+    --set 'model.factory=""' --set run.steps=60 --set run.eval_every=20 --set 'pipeline.balance_by="time"' \
     --set 'data.augment=["random_crop:4", "hflip"]' \
     --set 'data.mean=[0.2, 0.2, 0.2]' --set 'data.std=[0.3, 0.3, 0.3]' \
     --set 'resilience.backups="all"' --set 'resilience.mode="hot"' \
