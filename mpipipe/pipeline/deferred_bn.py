@@ -14,6 +14,8 @@ that takes over mid-step keeps its own, which are the stage's.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,11 +83,20 @@ def defer_batch_norm(module: nn.Module) -> int:
             m.__class__ = _CLASSES[cls]
             m._start()
             count += 1
+    _FOUND.clear()  # what was found before this conversion is stale
     return count
 
 
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _deferred(module: nn.Module) -> list[DeferredBatchNorm]:
-    return [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+    """The deferred BatchNorms in ``module``, found once per module (twice a step, on the
+    step's path: a walk over every submodule each time is not needed)."""
+    found = _FOUND.get(module)
+    if found is None:
+        found = _FOUND[module] = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+    return found
 
 
 def begin_step(module: nn.Module) -> None:
