@@ -148,7 +148,7 @@ class Trainer:
             self.model.float()
             self.optimizer = recipe.make_optimizer(cfg, self.model.parameters())
             self.loss_fn = recipe.make_loss(cfg)
-            self.schedule = recipe.Schedule(cfg, int(cfg["run"]["steps"])) if cfg["optim"]["scheduler"] else None
+            self.schedule = recipe.Schedule(cfg, int(cfg["run"]["steps"]))
         except recipe.RecipeError as e:
             run.fail(e)
         averaged = None if cfg["stannis"]["local_buffers"] else BufferAverage(self.comm, self.model)
@@ -635,7 +635,7 @@ class Trainer:
         if halt is not None:
             raise halt  # before this step's update: the run ends with `index` steps done
         self._cycle = time.perf_counter()
-        if self.schedule is not None:  # the user's scheduler owns the rate
+        if self.schedule.scheduled:  # the user's scheduler (config or script) owns the rate
             self.schedule.apply(self.optimizer, index)
         else:
             lr = scaled_lr(o["lr"], o["base_batch"], int(total), index, o["warmup_steps"])

@@ -116,3 +116,16 @@ def test_the_same_seed_builds_the_same_weights_and_the_checksum_sees_a_change():
     with torch.no_grad():
         next(b.parameters()).view(-1)[0] += 1
     assert recipe.checksum(a) != recipe.checksum(b)
+
+
+def test_a_scripts_scheduler_sets_the_rate_as_the_configurations_would():
+    # Stannis keeps its own scaled rate unless a scheduler, from the config or from a
+    # script (mpipipe.train / stannis.train), sets it: both must say so.
+    assert not recipe.Schedule(_cfg(), 10).scheduled
+    assert recipe.Schedule(_cfg(optim={"scheduler": "StepLR", "scheduler_kwargs": {"step_size": 2}}), 10).scheduled
+    recipe.give(scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+    try:
+        schedule = recipe.Schedule(_cfg(), 10)
+    finally:
+        recipe.give()
+    assert schedule.scheduled and schedule.values(2)[0]["lr"] == pytest.approx(0.025)

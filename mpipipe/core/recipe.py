@@ -372,6 +372,11 @@ class Schedule:
         self._opt = opt
         self._sched = _call(cls, f"scheduler {cls.__name__}", opt, **kwargs)
 
+    @property
+    def scheduled(self) -> bool:
+        """Whether a scheduler (the configuration's or a script's) sets the rate."""
+        return self._sched is not None
+
     def values(self, step: int) -> list[dict[str, Any]]:
         """Each group's scheduled hyperparameters at 0-based ``step``."""
         import warnings

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from mpipipe.core import data
     from mpipipe.pipeline.engine import Pipeline
 
-__all__ = ["Setup", "setup", "make_optimizer", "agree", "read_batch",
+__all__ = ["Setup", "setup", "agree", "read_batch",
            "train_step", "stopped",
            "evaluate", "save_checkpoint", "train"]
 
@@ -48,14 +48,6 @@ class Setup:
     eval_batches: int = 0
     checkpoint_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def make_optimizer(cfg: dict, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
-    """This stage's optimizer, or None for a stage without parameters (only ReLU, pooling):
-    :func:`mpipipe.core.recipe.make_optimizer` (checked at set-up, so it cannot fail here)."""
-    from mpipipe.core.recipe import make_optimizer as build
-
-    return build(cfg, params)
 
 
 def check_same_weights(run: Run, pipe: Pipeline) -> None:
@@ -214,7 +206,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
                     in_shape=in_shape, deadline=cfg["resilience"]["deadline_s"] or None,
                     seed=cfg["run"]["seed"])
     check_same_weights(run, pipe)
-    optimizer = make_optimizer(cfg, list(pipe.parameters()))
+    optimizer = recipe.make_optimizer(cfg, pipe.parameters())  # checked above: cannot fail
     setup_ = Setup(run, model, pipe, optimizer, loss_fn, in_shape, total, schedule,
                    eval_batches=eval_batches)
     if pipe.first:

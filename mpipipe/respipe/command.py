@@ -107,6 +107,7 @@ def train(run: Any) -> int:
     survivor with one error line naming the stage (exit 2) and a closed, readable log.
     """
     from mpipipe.core import checkpoint, data, stop
+    from mpipipe.core.recipe import make_optimizer
     from mpipipe.pipeline import train as plain
 
     s = plain.setup(run, Pipeline)
@@ -132,7 +133,7 @@ def train(run: Any) -> int:
         open_reader().seek_batch(step)
 
     def make_opt(params: Iterable[nn.Parameter]) -> Any:
-        return plain.make_optimizer(cfg, list(params)) or _NoParams()
+        return make_optimizer(cfg, params) or _NoParams()
 
     resume = None
     if run.args.resume:
