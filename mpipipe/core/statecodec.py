@@ -51,7 +51,6 @@ class StateLayout:
     float64) or ``("none", None)`` for a key whose value is None.
     """
 
-    names: list[str]
     tensors: list[Any]
     module: list[_Segment]
     params: list[Any]
@@ -110,7 +109,6 @@ def layout_of(module: nn.Module, optimizer: Any = None) -> StateLayout:
     if cached is not None:
         return cached
     state = module.state_dict(keep_vars=True)
-    names = list(state)
     tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for t in state.values()]
     params = list(dict.fromkeys(module.parameters()))
     template = _optimizer_template(module, optimizer)
@@ -159,7 +157,7 @@ def layout_of(module: nn.Module, optimizer: Any = None) -> StateLayout:
             runs[-1] = (start, size + seg.nbytes, dtype, [*sources, source], [*segs, seg])
         else:
             runs.append((seg.offset, seg.nbytes, dtype, [source], [seg]))
-    layout = StateLayout(names, tensors, [s for s in module_segs if s is not None],
+    layout = StateLayout(tensors, [s for s in module_segs if s is not None],
                          params, optim, offset, runs)
     _LAYOUTS.setdefault(module, {})[key] = layout
     return layout
