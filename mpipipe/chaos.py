@@ -191,7 +191,8 @@ def _words(text: str, known: tuple[str, ...], option: str) -> list[str]:
 def _fault(rng: random.Random, stage_ranks: list[int], backup_ranks: list[int], mode: str,
            n: int, chunks: int, earlier: list[str]) -> str:
     """One fault spec: its kind, target (stage 0 writes the log: drawn twice as often),
-    step (now and then the step of an earlier fault) and micro-batch."""
+    step (now and then the step of an earlier fault) and micro-batch, or (after an
+    earlier fault) the recovery round itself."""
     kind = rng.choices(("kill", "stall", "delay", "slow"), weights=(4, 4, 1, 1))[0]
     if backup_ranks and kind in ("kill", "stall") and rng.random() < 0.3:
         target, on_backup = f"rank={rng.choice(backup_ranks)}", True
@@ -204,6 +205,8 @@ def _fault(rng: random.Random, stage_ranks: list[int], backup_ranks: list[int], 
     micro = f":micro={rng.randrange(chunks)}" \
         if kind in ("kill", "stall") and rng.random() < 0.3 and (not on_backup or mode == "hot") \
         else ""
+    if kind in ("kill", "stall") and not micro and earlier and rng.random() < 0.2:
+        micro = ":round=1"  # in the round an earlier fault starts: a fault during recovery
     if kind == "kill":
         return f"kill:{target}:step={step}{micro}"
     if kind == "stall":

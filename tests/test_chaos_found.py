@@ -114,3 +114,25 @@ def test_a_new_writer_killed_while_the_stalled_old_one_holds_the_log_loses_no_ro
                  "inject:stall:stage=0:step=5:seconds=4", "inject:kill:stage=1:step=8")
     assert len(run.events_of("log_writer_moved")) >= 2
     assert not list(Path(run.path).parent.glob("*.jsonl"))
+
+
+@pytest.mark.timeout(600)
+def test_a_member_killed_between_the_decision_and_the_build_costs_one_more_round(runs):
+    # Seed 4 #98: members blocked for good in Create_from_group, waiting for one that
+    # never came (Open MPI 5.0 waits even for a dead one). Now they give up after
+    # BUILD_WAIT_S, all alike, and run the round again without it.
+    run = _exact(runs, "killed-in-round", "resilience.deadline_s=1.5",
+                 "inject:stall:stage=1:step=12:seconds=3", "inject:kill:rank=5:step=12:round=1")
+    assert {e["detail"]["stage"] for e in run.events_of("takeover")} == {1}
+    fired = [e for e in run.events_of("fault_injected") if "round=1" in e["detail"]["fault"]]
+    assert len(fired) == 1, run.events
+
+
+@pytest.mark.timeout(600)
+def test_a_member_stalled_between_the_decision_and_the_build_is_left_out(runs):
+    # The same with a member that is alive but away longer than the build waits: the
+    # others go on without it; it finds itself replaced when it comes back.
+    run = _exact(runs, "stalled-in-round", "inject:kill:stage=1:step=12",
+                 "inject:stall:rank=5:step=12:round=1:seconds=25")
+    # (stage 1's rank is dead and rank 5 stalled: once a Shrink waited for rank 5)
+    assert {e["detail"]["stage"] for e in run.events_of("takeover")} == {1}

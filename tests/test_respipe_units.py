@@ -354,11 +354,36 @@ def test_kills_and_stalls_can_fall_inside_a_step() -> None:
         inject.parse("kill:stage=1:step=3:micro=-1")
 
 
+def test_kills_and_stalls_can_fall_inside_a_round_and_say_when_none_ran() -> None:
+    f = inject.parse("kill:rank=3:step=7:round=1")
+    assert f.round == 1 and inject.parse(str(f)) == f
+    fired: list[int] = []
+    slept: list[float] = []
+    plan = inject.FaultPlan([f, inject.parse("stall:rank=3:step=9:round=1:seconds=2")],
+                            seed=0, stage=None, rank=3, kill=lambda: fired.append(1),
+                            sleep=slept.append)
+    for step in range(12):
+        assert plan.at_step(step) == 0  # never at a step
+    assert len(plan.unfired_round_faults()) == 2
+    assert plan.in_round(6) == 0 and not fired  # a round before its step
+    plan.in_round(8)
+    assert fired == [1] and plan.unfired_round_faults() == [plan.mine[1]]
+    assert plan.in_round(9) == 2.0 and plan.in_round(10) == 0  # once
+    assert slept == [2.0] and not plan.unfired_round_faults()
+    with pytest.raises(inject.FaultError, match="round must be 1"):
+        inject.parse("kill:stage=1:step=3:round=2")
+    with pytest.raises(inject.FaultError, match="not both"):
+        inject.parse("kill:stage=1:step=3:round=1:micro=0")
+    with pytest.raises(inject.FaultError, match="unknown key 'round' for delay"):
+        inject.parse("delay:stage=1:p=0.1:seconds=1:round=1")
+
+
 CHECK_PLAN = "0=stage 0, 1=stage 1, 2=stage 2, 3=backup 1"
 
 
 def _check(*specs: str, steps: int | None = 20, chunks: int | None = 4,
            mode: str = "cold") -> None:
+    import mpipipe.pipeline.plan  # noqa: F401 - declares the stage and backup roles
     from mpipipe.core.roles import LaunchPlan, Role
 
     plan = LaunchPlan(tuple(Role.parse(r.split("=")[1]) for r in CHECK_PLAN.split(", ")))
@@ -377,6 +402,7 @@ def _check(*specs: str, steps: int | None = 20, chunks: int | None = 4,
     (["kill:rank=3:step=2:micro=1"], "in cold mode it runs no micro-batch"),
     (["kill:stage=1:step=5", "stall:rank=1:step=6"], "killed before, by kill:stage=1:step=5"),
     (["kill:rank=3:step=5:micro=1", "kill:rank=3:step=5:micro=2", "hot"], "killed before"),
+    (["kill:rank=3:step=5:round=1", "stall:rank=3:step=9"], "in any round from step 5 on"),
 ])
 def test_a_fault_that_can_never_fire_is_refused_naming_it(specs, why) -> None:
     mode = specs.pop() if specs[-1] == "hot" else "cold"
@@ -389,6 +415,9 @@ def test_faults_that_can_fire_pass_the_check() -> None:
     _check("kill:stage=1:step=19:micro=3", "stall:rank=3:step=2", "delay:stage=0:p=0.1:seconds=1",
            "slow:rank=2:step=4:factor=2", "kill:rank=3:step=4:micro=1", mode="hot")
     _check("stall:stage=1:step=3", "kill:stage=1:step=5", "kill:rank=3:step=7")
+    _check("stall:rank=3:step=2", "kill:rank=3:step=5:round=1")  # the stall comes first
+    with pytest.raises(inject.FaultError, match="runs none"):
+        _check("kill:stage=1:step=5:round=1", mode=None)  # not a ResPipe job: no rounds
     _check("kill:stage=2:step=500", steps=None)  # epochs of a data set not read yet
 
 

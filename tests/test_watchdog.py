@@ -3,6 +3,7 @@ the stack and one line naming the wait, closes the log as stuck and ends the pro
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -94,3 +95,47 @@ def test_a_rank_without_the_log_warns_goes_on_with_progress_and_aborts_without(t
     assert 1 <= len(warnings) <= 2, proc.stderr
     assert not (tmp_path / "status").exists()  # only the log's holder closes the log
     assert (tmp_path / "run.h5.stacks" / "rank-3.txt").exists()
+
+
+MARKED = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from mpipipe.core import watchdog
+    out = Path(sys.argv[1])
+    holds = sys.argv[2] == "writer"
+    watchdog.install(watchdog.Watchdog(
+        rank=0 if holds else 2, seconds=1.0 if holds else 600.0, stacks=out / "run.h5.stacks",
+        prog="mpipipe train", holds_log=lambda: holds,
+        close_log=lambda s: (out / "status").write_text(s),
+        abort=lambda code: time.sleep(600)))  # an MPI_Abort that never ends the process
+    watchdog.beat(0)
+    print("waiting", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_an_abort_cannot_outlive_itself_and_the_writers_mark_ends_every_rank(tmp_path):
+    env = {**os.environ, "PMIX_NAMESPACE": "prterun-vm-1234@1"}
+    # The writer: stuck, its MPI_Abort blocks; it leaves the mark and ends itself.
+    writer = subprocess.run([sys.executable, "-c", MARKED, str(tmp_path), "writer"], env=env,
+                            capture_output=True, text=True, timeout=100)
+    assert writer.returncode == 3, writer.stderr
+    mark = tmp_path / "run.h5.stacks" / "abort-prterun-vm-1234-1"
+    assert mark.read_text().startswith("rank 0 made no progress")
+    # Another rank of the same job, far from its own limit, ends when it sees the mark.
+    other = subprocess.run([sys.executable, "-c", MARKED, str(tmp_path), "other"], env=env,
+                           capture_output=True, text=True, timeout=100)
+    assert other.returncode == 3, other.stderr
+    assert (tmp_path / "run.h5.stacks" / "rank-2.txt").exists()
+    # A later job in the same place is not misled by the old job's mark.
+    later = subprocess.Popen([sys.executable, "-c", MARKED, str(tmp_path), "other"],
+                             env={**env, "PMIX_NAMESPACE": "prterun-vm-999@1"},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert later.stdout.readline() == "waiting\n"
+        with pytest.raises(subprocess.TimeoutExpired):
+            later.wait(timeout=3)  # three looks at the marks, and it lives on
+    finally:
+        later.kill()
+        later.wait()

@@ -53,8 +53,9 @@ def _kind(name: str, required: str, optional: str, example: str, **how: bool) ->
 # The target is either a stage (pipeline jobs) or a rank (any job), never both; a node
 # fault names a testbed node instead.
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
-    _kind("kill", "step", "micro", "kill:stage=1:step=20", silences=True, ends_process=True),
-    _kind("stall", "step", "seconds micro", "stall:stage=1:step=20:seconds=5", silences=True),
+    _kind("kill", "step", "micro round", "kill:stage=1:step=20", silences=True, ends_process=True),
+    _kind("stall", "step", "seconds micro round", "stall:stage=1:step=20:seconds=5",
+          silences=True),
     _kind("delay", "p seconds", "step", "delay:stage=1:p=0.1:seconds=0.5", repeats=True),
     _kind("slow", "factor", "step", "slow:rank=2:step=10:factor=3"),
     _kind("node-kill", "node step", "", "node-kill:node=b:step=20", on_node=True, silences=True,
@@ -64,7 +65,7 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
 )}
 KINDS = tuple(FAULT_KINDS)
 NODE_KINDS = tuple(k for k, v in FAULT_KINDS.items() if v.on_node)
-_INT_KEYS = {"stage", "rank", "step", "micro"}
+_INT_KEYS = {"stage", "rank", "step", "micro", "round"}
 DEFAULT_STALL_S = 5.0
 DEFAULT_PARTITION_S = 10.0
 # A testbed node's name (mpipipe.core.testbed.NAME_RE), with or without the mpt- prefix.
@@ -84,6 +85,11 @@ class Fault:
     with ``micro=M`` in the middle of it, right after the forward of micro-batch M.
     ``stall``: the target stops responding (sleeps outside MPI) for ``seconds`` at ``step``
     (with ``micro=M``: after the forward of micro-batch M).
+    ``round=1`` (kill, stall; ResPipe): instead, in the first recovery round the target
+    applies at or after ``step``, after it has read the round's decision and before it
+    builds the new generation with the other members: a fault during recovery, which
+    the members must survive too. Another fault must start that round; if none does,
+    the run ends saying the fault did not fire.
     ``delay``: at every step (from ``step``, default 0) the target sleeps ``seconds``
     with probability ``p`` (seeded, so a run is repeatable; a replayed step is not
     delayed again).
@@ -107,6 +113,7 @@ class Fault:
     seconds: float = 0.0
     factor: float = 1.0
     micro: int = -1  # kill, stall: -1 = at the start of the step
+    round: int = 0  # kill, stall: 1 = in the first round from ``step`` on (ResPipe)
     node: str | None = None  # node-kill, partition: the testbed node's name (no mpt- prefix)
 
     @property
@@ -129,6 +136,7 @@ class Fault:
             return f"{self.kind}:node={self.node}:step={self.step}{extra}"
         where = f"stage={self.stage}" if self.stage is not None else f"rank={self.rank}"
         at = f":micro={self.micro}" if self.micro >= 0 else ""
+        at += ":round=1" if self.round else ""
         extra = {"kill": f"step={self.step}{at}",
                  "stall": f"step={self.step}{at}:seconds={self.seconds:g}",
                  "delay": f"p={self.p:g}:seconds={self.seconds:g}",
@@ -187,6 +195,11 @@ def parse(spec: str) -> Fault:
     for key in ("stage", "rank", "step", "micro"):
         if key in values and values[key] < 0:
             raise _fail(spec, f"{key} must be >= 0", kind)
+    if "round" in values and values["round"] != 1:
+        raise _fail(spec, "round must be 1 (the first round from step on)", kind)
+    if "round" in values and "micro" in values:
+        raise _fail(spec, "give micro= (inside a step) or round=1 (inside a round), not both",
+                    kind)
     if kind == "delay" and not 0.0 <= values["p"] <= 1.0:
         raise _fail(spec, "p must be a probability in [0, 1]", kind)
     if "seconds" in values and values["seconds"] < 0:
@@ -266,14 +279,24 @@ def check_reachable(faults: Sequence[Fault], plan: LaunchPlan, *, steps: int | N
             if f.micro >= 0 and mode != "hot":
                 raise _never(f, f"rank {f.rank} is a backup of stage {role.index}: in "
                                 f"{mode or 'cold'} mode it runs no micro-batch; drop micro=")
+        if f.round and (mode is None or not plan.ranks_of("backup") and mode != "neighbour"):
+            raise _never(f, "round=1 fires inside a ResPipe recovery round, and this job "
+                            "runs none (no backups, and not neighbour mode)")
     # A fault on a rank that an earlier kill has ended: (step, micro) orders them, -1
-    # (the start of a step) before micro-batch 0; at the same point, listing order.
+    # (the start of a step) before micro-batch 0; at the same point, listing order. A
+    # kill in a round may come at any step from its own: nothing may aim at its target
+    # from that step on.
     for i, kill in enumerate(faults):
         if kill.kind != "kill":
             continue
         dead = target_rank(kill, plan)
         for j, f in enumerate(faults):
             if j == i or target_rank(f, plan) != dead:
+                continue
+            if kill.round:
+                if f.step >= kill.step:
+                    raise _never(f, f"its target (rank {dead}) may be killed before, by "
+                                    f"{kill}, in any round from step {kill.step} on")
                 continue
             at = (f.step, f.micro if f.kind in ("kill", "stall") else -1)
             if at > (kill.step, kill.micro) or (at == (kill.step, kill.micro) and j > i):
@@ -442,6 +465,27 @@ class FaultPlan:
         self._fired: set[tuple[int, int]] = set()  # (fault index, step) of one-shot faults
         self.dry = dry  # only on_fire: a plan that logs another rank's faults (Stannis host)
 
+    def in_round(self, step: int) -> float:
+        """Fire this process's round faults (``round=1``) due by ``step``: called once
+        a round's decision is read, before the new generation is built. Returns the
+        seconds it slept; ``kill`` does not return."""
+        slept = 0.0
+        for i, f in enumerate(self.mine):
+            if f.round and step >= f.step and (i, -2) not in self._fired:
+                self._fired.add((i, -2))
+                if self.on_fire:
+                    self.on_fire(f, step, {"seconds": f.seconds})
+                if f.kind == "kill":
+                    self._kill()
+                    return slept  # only reached when kill is replaced in tests
+                self._sleep(f.seconds)
+                slept += f.seconds
+        return slept
+
+    def unfired_round_faults(self) -> list[Fault]:
+        """This process's round faults that no round fired (said at the end of a run)."""
+        return [f for i, f in enumerate(self.mine) if f.round and (i, -2) not in self._fired]
+
     def slowdown(self, step: int) -> float:
         """The compute slow-down factor in force at ``step`` (1.0 when none)."""
         factor = 1.0
@@ -480,7 +524,7 @@ class FaultPlan:
                 self._kill()
                 return slept  # only reached when kill is replaced in tests
             elif f.kind in ("kill", "stall") and f.step == step and f.micro == micro \
-                    and (i, step) not in self._fired:
+                    and not f.round and (i, step) not in self._fired:
                 self._fired.add((i, step))
                 if self.on_fire:
                     self.on_fire(f, step, {"seconds": f.seconds})

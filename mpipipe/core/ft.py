@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,8 @@ __all__ = [
     "agree",
     "agreed_phase",
     "PhaseFailed",
+    "BuildFailed",
+    "from_group",
     "failed_ranks",
     "lost_ranks",
 ]
@@ -94,22 +97,51 @@ def shrink(comm: Any) -> Any:
     return new
 
 
-def from_group(world: Any, ranks: list[int], tag: str) -> Any:
+class BuildFailed(RuntimeError):
+    """A new communicator was not built: a member never came, or gave up waiting for one.
+
+    Every member that came gets it alike (see :func:`from_group`), so they can all
+    recover together."""
+
+
+def from_group(world: Any, ranks: list[int], tag: str, wait_s: float | None = None) -> Any:
     """A new communicator of exactly ``ranks`` (ranks of ``world``), made by them alone.
 
     Why not ``Create_group`` on the old communicator, or ``Shrink``: ``Shrink`` waits
     for every live rank, a stalled one included, and a parent with a dead member may
     refuse ``Create_group``; MPI-4's ``Create_from_group`` needs no parent, so a dead
     rank and a stalled one left out at once are both simply not asked. ``tag`` must be
-    unique to this set of ranks and this round. The result returns errors, like every
+    unique to this set of ranks and this attempt. The result returns errors, like every
     communicator here.
+
+    ``wait_s`` (under ULFM): how long to wait for the other members. Open MPI 5.0's
+    ``Create_from_group`` waits for every rank of the group for ever, even for one that
+    has died (seen here: a member killed before its call left the others blocked for
+    good), and it cannot be cancelled. So the call runs in a thread, and a member that
+    waited ``wait_s`` gives up and raises :class:`BuildFailed`. To keep every member's
+    verdict the same when the last one comes just after another gave up, each member,
+    once the call returns, agrees on the new communicator whether it still wanted it:
+    one "no" and all of them raise :class:`BuildFailed` (a member that gave up says its
+    "no" from the thread, whenever the call completes). A build that never completes
+    leaves its thread blocked; the process leaves without ``MPI_Finalize`` anyway after
+    a round.
 
     What is returned is a duplicate of the communicator made from the group: Open MPI
     5.0's agreement (``Agree``) on a communicator made from a group keys its history on
     an identifier that all such communicators share ("removing old agreement (0.0).1
     from history, due to cycling of identifiers"), and a second one's ``Agree`` then
     failed or hung; on a duplicate it works (seen here, 5 generations in a row).
+
+    Raises:
+        BuildFailed: a member did not come within ``wait_s``, another member gave up, or
+            MPI refused the call (Open MPI does once it knows a member dead).
     """
+    if wait_s is None or not ulfm_enabled():
+        return _build(world, ranks, tag)
+    return _Build(world, ranks, tag).result(wait_s)
+
+
+def _build(world: Any, ranks: list[int], tag: str) -> Any:
     from mpi4py import MPI
 
     parent = world.Get_group()
@@ -123,6 +155,54 @@ def from_group(world: Any, ranks: list[int], tag: str) -> Any:
     comm = made.Dup()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     return comm
+
+
+class _Build:
+    """One bounded :func:`from_group`: the blocking call in a thread, and the members'
+    agreement on whether all of them still wanted its result."""
+
+    def __init__(self, world: Any, ranks: list[int], tag: str) -> None:
+        self._lock = threading.Lock()
+        self._gave_up = False  # the caller stopped waiting (set under the lock)
+        self._wanted = False  # the thread found the caller still waiting (under the lock)
+        self._done = threading.Event()
+        self._comm: Any = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(world, list(ranks), tag), daemon=True,
+                         name="mpipipe-build").start()
+
+    def _run(self, world: Any, ranks: list[int], tag: str) -> None:
+        try:
+            comm = _build(world, ranks, tag)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            # Open MPI refuses the call ("operation not supported") once it knows a
+            # member dead: like a member that never comes, a build to recover from.
+            self._error = BuildFailed(f"the build failed: {e}") if error_class(e) is not None \
+                else e
+            self._done.set()
+            return
+        with self._lock:
+            self._wanted = not self._gave_up
+        try:
+            everyone, uniform = agree(comm, int(self._wanted))
+            if self._wanted and everyone and uniform:
+                self._comm = comm
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self._error = e
+        self._done.set()
+
+    def result(self, wait_s: float) -> Any:
+        if not self._done.wait(wait_s):
+            with self._lock:
+                if not self._wanted:
+                    self._gave_up = True
+                    raise BuildFailed(f"a member did not come within {wait_s:.0f} s")
+            self._done.wait()  # every member came: the agreement is under way
+        if self._error is not None:
+            raise self._error
+        if self._comm is None:
+            raise BuildFailed("another member gave up waiting for the rest")
+        return self._comm
 
 
 def agree(comm: Any, flag: int = 1) -> tuple[int, bool]:

@@ -21,6 +21,13 @@ names the ranks it waits to hear from). Then:
   progress again it goes on; if not for another ``W``, it aborts the job itself (the
   writer is then gone or stuck where it cannot see it).
 
+An abort must not outlive itself: under ULFM, ``MPI_Abort`` was seen to leave the other
+ranks of a stuck job running until an outside time limit. So the writer also leaves a
+mark beside the stacks (``abort-<job>``, named for the job's PMIx namespace, so a later
+job in the same place is not misled), which every other rank's watchdog looks for each
+second and then ends its own process; and a rank whose ``MPI_Abort`` has not ended it
+within ABORT_GRACE_S ends itself.
+
 Nothing here imports torch or touches a communicator before it fires.
 """
 
@@ -44,6 +51,7 @@ STEPS = 20  # ... nor than this many median steps
 STARTUP_S = 300.0  # ... nor, before the rank's first step, than this
 LOOK_EVERY_S = 1.0
 WRITER_WAIT_S = 5.0  # the log's holder waits this long for the other ranks' stack files
+ABORT_GRACE_S = 10.0  # a rank still alive this long after its MPI_Abort ends itself
 EXIT_CODE = 3
 
 
@@ -90,9 +98,23 @@ class Watchdog:
                 self.step_times.append(now - self._last_step_at)
             self._last_step_at, self.step = now, step
 
+    def _mark(self) -> Path | None:
+        """The file that tells every rank of this job that the job is being aborted
+        (None outside an MPI job launched by a PMIx runtime)."""
+        job = os.environ.get("PMIX_NAMESPACE", "")
+        if not job:
+            return None
+        return self.stacks / ("abort-" + "".join(c if c.isalnum() else "-" for c in job))
+
     def _run(self) -> None:
         warned_at = None  # a rank without the log: when it last said it was stuck
+        mark = self._mark()
         while not self._stop.wait(LOOK_EVERY_S):
+            if mark is not None and mark.exists():
+                # The writer found the job stuck and aborts it: end this rank too.
+                self._dump(self._line(time.monotonic() - self.last))
+                self._abort()
+                return
             idle = time.monotonic() - self.last
             if warned_at is not None and self.last > warned_at:
                 warned_at = None  # progress again: it was only waiting for slow work
@@ -149,11 +171,20 @@ class Watchdog:
         except Exception as e:  # noqa: BLE001 - the line above said what happened
             print(f"{self.prog}: error: stuck, and the log could not be closed: {e}",
                   file=sys.stderr, flush=True)
+        mark = self._mark()
+        if mark is not None:
+            try:
+                mark.write_text(summary + "\n")
+            except OSError:
+                pass
         self._abort()
 
     def _abort(self) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
+        last = threading.Timer(ABORT_GRACE_S, os._exit, args=(EXIT_CODE,))
+        last.daemon = True
+        last.start()  # MPI_Abort may block, or return without ending this process
         try:
             self.abort(EXIT_CODE)
         finally:

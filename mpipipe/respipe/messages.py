@@ -35,7 +35,7 @@ __all__ = ["VERSION", "REASONS", "MessageError", "StateReport", "Decision", "enc
 VERSION = 1  # raise on any change of a field list or of how a field type travels
 
 # Why a round started, as announced; the index is what travels.
-REASONS = ("none", "late", "failed", "revoked", "announced", "rejoin")
+REASONS = ("none", "late", "failed", "revoked", "announced", "rejoin", "rebuild")
 
 _KIND_REPORT, _KIND_DECISION = 1, 2
 
@@ -90,7 +90,7 @@ class Decision(_Message):
     go_on: bool  # the step in flight is finished where the ranks stand (no replay)
     lost_stage: int  # a stage nobody can serve (-1: none): the run ends
     merge: int  # neighbour mode: the stage merged into its holder (-1: none)
-    shrink: bool  # the new communicator comes from Shrink (dead ranks left out)
+    shrink: bool  # every rank left out had failed (none is merely silent)
     reason: str  # the reason of the earliest detection (one of REASONS)
     suspect: int  # its suspect
     t_detect: float  # its time

@@ -13,7 +13,7 @@ from mpipipe.core import ft, watchdog
 from mpipipe.respipe.control import _ADMIT, _CLOSED, _REJOIN, _Control
 from mpipipe.respipe.membership import Demoted
 from mpipipe.respipe.messages import Decision
-from mpipipe.respipe.rounds import _Round, _RoundStarted
+from mpipipe.respipe.rounds import BUILD_WAIT_S, _Round, _RoundStarted
 
 REJOIN_WAIT_S = 300.0  # how long a replaced rank waits to be admitted or told the job ended
 
@@ -78,32 +78,42 @@ class Rejoin:
         print(f"mpipipe train: rank {self.wrank} was late and has been replaced ({demoted}); "
               "it asks to rejoin as a backup", file=sys.stderr, flush=True)
         since = time.time()
-        for w in range(self.world.Get_size()):
-            if w != self.wrank:
-                self.lobby.send(_REJOIN, w, [self.wrank, since])
+        self._ask_to_rejoin(since)
         give_up = time.perf_counter() + REJOIN_WAIT_S
         while time.perf_counter() < give_up:
             if self.lobby.poll(_CLOSED, self.MPI.ANY_SOURCE) is not None:
                 return False
             msg = self.lobby.poll(_ADMIT, self.MPI.ANY_SOURCE)
             if msg is not None:
-                return self._admitted(Decision.decode(msg))
+                if self._admitted(Decision.decode(msg)):
+                    return True
+                # The generation that admitted it was not built (a member died or never
+                # came): the members run their round again without it; ask once more.
+                self._ask_to_rejoin(since)
             watchdog.beat()  # a bounded wait of its own (REJOIN_WAIT_S), not stuck
             time.sleep(0.005)
         return False
+
+    def _ask_to_rejoin(self, since: float) -> None:
+        """Ask every other rank of the job (the lowest member answers)."""
+        for w in range(self.world.Get_size()):
+            if w != self.wrank:
+                self.lobby.send(_REJOIN, w, [self.wrank, since])
 
     def _admitted(self, d: Decision) -> bool:
         """Join the new generation's communicators and take the replica of the assigned stage.
 
         False when the communicator could not be built (then the rank leaves)."""
         MPI = self.MPI
+        self.faults.in_round(d.step)  # kill/stall ...:round=1, as any member's
         try:
-            new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag)
+            new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag,
+                                wait_s=BUILD_WAIT_S)
             ctl = new.Dup()
             ctl.Set_errhandler(MPI.ERRORS_RETURN)
             ft.agree(new, 1)
-        except MPI.Exception:
-            return False  # a member died meanwhile: the survivors shrink without this rank
+        except (MPI.Exception, ft.BuildFailed):
+            return False  # a member died or never came: the members go on without this rank
         k, P = d.admit_stage, d.step
         self.data, self.control, self.members = new, _Control(ctl), list(d.members)
         self.gen, self._gen_step = d.gen, P

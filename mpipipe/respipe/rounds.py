@@ -12,7 +12,6 @@ The :class:`Rounds` mixin of :class:`mpipipe.respipe.trainer.ResPipe`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -28,6 +27,11 @@ from mpipipe.respipe.membership import _DEBUG, Demoted, StageLost
 from mpipipe.respipe.messages import Decision, StateReport
 
 QUICK_GRACE_S = 0.003  # floor of the wait for an answer from a rank already found late
+# How long a member waits for the others to build a generation's communicator before the
+# round runs again without the missing ones (ft.from_group). Members reach the build as
+# soon as they read the decision, which they poll for; under 10 ranks on 2 cores a
+# poller can lose the CPU for seconds, so this is generous, and far below the watchdog.
+BUILD_WAIT_S = 15.0
 
 
 @dataclass
@@ -219,42 +223,49 @@ class Rounds:
         return eval_point(done, evaluates=self.evaluate_fn is not None, total=self.total,
                           eval_every=self.eval_every)
 
+    def _rebuild(self, d: Decision, why: Exception) -> None:
+        """The members that came could not build the decided generation (a member died,
+        or never came, between the decision and the build): every one of them gets this
+        alike (:func:`mpipipe.core.ft.from_group`), nothing is applied yet, and they run
+        the round again without the missing one.
+
+        The retry counts as a generation of its own, on the old control communicator:
+        no message of the failed attempt (announcements, the decision) matches it, and
+        its decision's communicator tag differs. An admitted rank that came gives up
+        its admission and asks again (:meth:`Rejoin._rejoin`).
+
+        Raises:
+            _RoundStarted: always (the round to run now).
+        """
+        self._say(f"generation {d.gen} not built ({why}): the round runs again")
+        self.gen += 1
+        raise _RoundStarted(_Round("rebuild", -1, time.time()))
+
     # -- apply -----------------------------------------------------------------------
     def _apply(self, d: Decision, rnd: _Round) -> None:
         """Build the new communicators, then adopt the route, roles and state of step P."""
         MPI = self.MPI
-        old_data, old_ctl = self.data, self.control.comm
+        old_data = self.data
         gone = [w for w in self.members if w not in d.members]
-        new = None
-        shrunk = bool(d.shrink)  # the ranks a shrink leaves out had failed
+        shrunk = bool(d.shrink)  # every rank left out had failed
         # The members alone build it, from their world ranks (ft.from_group): a left-out
         # rank, dead or stalled, and an admitted rank (not on this generation's
-        # communicator) need nothing else. The lobby's ranks are world ranks.
-        made_from = self.lobby.comm
-        if not d.shrink:
-            try:
-                new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag)
-            except MPI.Exception as e:
-                # A member died since the decision: every member gets the same error and
-                # shrinks instead (a rank left out alive, stalled, then waits with them).
-                if not (self.ulfm and ft.is_proc_failed(e)):
-                    raise
-        if new is None:
-            new, made_from = ft.shrink(old_ctl), old_ctl
-            shrunk = True
+        # communicator) need nothing else. Not Shrink, even when every rank left out is
+        # dead: it waits for every live rank, and a member may stall or die in between.
+        # The lobby's ranks are world ranks.
+        self.faults.in_round(max(self.done, d.step))  # kill/stall ...:round=1
+        watchdog.waiting(f"building generation {d.gen} with ranks {list(d.members)}")
+        try:
+            new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag,
+                                wait_s=BUILD_WAIT_S)
+        except ft.BuildFailed as e:
+            self._rebuild(d, e)
+        watchdog.waiting("")
         ctl = new.Dup()
         ctl.Set_errhandler(MPI.ERRORS_RETURN)
-        old_group = made_from.Get_group()
-        translated = new.Get_group().Translate_ranks(list(range(new.Get_size())), old_group)
-        members_new = translated if made_from is self.lobby.comm else \
-            [self.members[i] for i in translated]
-        old_group.Free()
-        if d.admit >= 0 and made_from is old_ctl:
-            # Building from the lobby failed (a member died): shrink has left the admitted
-            # rank out, which then leaves; this round goes on without it.
-            d = dataclasses.replace(
-                d, members=tuple(w for w in d.members if w != d.admit), admit=-1,
-                backups={k: tuple(b for b in bs if b != d.admit) for k, bs in d.backups.items()})
+        lobby = self.lobby.comm.Get_group()
+        members_new = new.Get_group().Translate_ranks(list(range(new.Get_size())), lobby)
+        lobby.Free()
         if sorted(members_new) != sorted(d.members):
             raise RuntimeError(f"round disagreement: communicator has {members_new}, decision "
                                f"says {list(d.members)}")

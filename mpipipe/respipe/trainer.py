@@ -382,7 +382,11 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
                             directory=str(self.checkpoint_dir))
 
     def _finish(self) -> None:
-        """Tell backups the run is over; write the last row."""
+        """Tell backups the run is over; write the last row; say which round faults
+        never fired (no round ran from their step on)."""
+        for f in self.faults.unfired_round_faults():
+            print(f"mpipipe train: rank {self.wrank}: fault {f} did not fire: no recovery "
+                  f"round ran on this rank from step {f.step} on", file=sys.stderr, flush=True)
         if self.stage is not None:
             for k, bs in self.backups_w.items():
                 if k == self.stage:
