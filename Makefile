@@ -74,6 +74,8 @@ test-slurm: $(STAMP)
 
 # The emulated cluster (mpipipe.core.testbed): root only; installs iproute2/util-linux if missing.
 test-cluster: $(STAMP)
+	test -d data/digits || $(PY) -m native.convert digits data/digits
+	test -f data/stannis-digits/split.json || $(PY) -m stannis prepare
 	bash tests/cluster/run.sh
 
 demo: $(STAMP)

@@ -89,12 +89,14 @@ class _Campaign:
             raise ValueError(f"--steps {args.steps}: give at least 10")
         self.chunks = int(self.cfg["pipeline"]["chunks"])
         self.refs: dict[tuple[str, ...], tuple[Job, _Reference]] = {}
+        # On a testbed: the node of each rank, in launch order.
+        self.testbed, self.slots = chaos.testbed_slots(args, max(self.stages))
 
     def draw(self, rng: random.Random, index: int) -> Scenario:
         """Scenario ``index``: knobs and faults, redrawn until every fault can fire."""
         from mpipipe.core.cli import check_faults
         from mpipipe.core.config import load_config
-        from mpipipe.core.faults import FaultError, parse_all, target_rank
+        from mpipipe.core.faults import FaultError, check_nodes, parse_all, target_rank
         from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
         from mpipipe.pipeline.plan import pipeline_plan
 
@@ -111,6 +113,12 @@ class _Campaign:
         else:
             backups = {s: rng.choice((1, 1, 2)) for s in range(k)}
             table = "{" + ", ".join(f"{s} = {b}" for s, b in backups.items()) + "}"
+        if self.slots and k + sum(backups.values()) > len(self.slots):
+            # On a testbed the ranks fill its slots: as many backups as there are slots
+            # left, taken from the last stages first.
+            while k + sum(backups.values()) > len(self.slots):
+                backups[max(s for s, b in backups.items() if b)] -= 1
+            table = "{" + ", ".join(f"{s} = {b}" for s, b in backups.items() if b) + "}"
         world = k + sum(backups.values())
         keep_cut = k == int(self.cfg["pipeline"]["stages"])
         sets = [*self.args.set, f"pipeline.stages={k}", *([] if keep_cut else ["pipeline.balance=[]"]),
@@ -118,23 +126,32 @@ class _Campaign:
                 f"resilience.deadline_factor={df}", f"resilience.backups={table}",
                 f"run.steps={n}", f"run.eval_every={n // 2}", f"run.checkpoint_every={n}",
                 "run.epochs=0"]
+        if self.slots:  # a node fault may take a stage with its backup: that is the point
+            sets.append("resilience.allow_same_node=true")
         cfg = load_config(self.config, sets, PIPELINE_DEFAULTS, PIPELINE_CHOICES)
         plan = pipeline_plan(cfg, world)
         backup_ranks = plan.ranks_of("backup")
         stage_ranks = [plan.ranks_of("stage", s)[0] for s in range(k)]
+        hosts = ["mpt-" + node for node in self.slots[:world]]
+        nodes = sorted(set(self.slots[:world]))
         faults: list[str] = []
         for _ in range(rng.choice((1, 1, 2, 2, 3))):
             for _attempt in range(20):
-                spec = _fault(rng, stage_ranks, backup_ranks, mode, n, self.chunks, faults)
+                if nodes and rng.random() < chaos.NODE_FAULT_P:
+                    spec = chaos.node_fault(rng, nodes, n)
+                else:
+                    spec = _fault(rng, stage_ranks, backup_ranks, mode, n, self.chunks, faults)
                 try:
                     check_faults(cfg, plan, [*faults, spec], n)
+                    if hosts:
+                        check_nodes(parse_all([*faults, spec]), hosts, plan)
                 except FaultError:
                     continue
                 faults.append(spec)
                 break
         knobs = {"K": k, "mode": mode, "R": r, "DF": df, "N": n, "backups": table,
                  "world": world}
-        targets = sorted({target_rank(f, plan) for f in parse_all(faults)})
+        targets = chaos.hit_ranks(faults, hosts, lambda f: target_rank(f, plan))
         facts = {"targets": targets, "stage_ranks": stage_ranks,
                  "holders": {s: sorted({*plan.ranks_of("stage", s), *plan.ranks_of("backup", s)})
                              for s in range(k)}}
@@ -154,7 +171,8 @@ class _Campaign:
             argv = chaos.python_argv("mpipipe", config=self.config,
                                      sets=[*sets, f'run.checkpoint_dir="{folder / name}-ckpt"'],
                                      faults=[], log=log)
-            job = chaos.run_job(sc.knobs["K"], argv, log=log, ulfm=False, timeout=600)
+            job = chaos.run_job(sc.knobs["K"], argv, log=log, ulfm=False, timeout=600,
+                                testbed=self.testbed)
             if job.rc != 0:
                 raise RuntimeError(f"the failure-free reference run failed (exit {job.rc}); "
                                    f"see {log.with_suffix('.err')}:\n{job.stderr[-1500:]}")
@@ -176,7 +194,7 @@ class _Campaign:
                                  faults=sc.faults, log=log)
         timeout = self.args.timeout_factor * ref_job.wall_s + \
             chaos.fault_time(sc.faults, int(sc.knobs["N"])) + 60.0
-        job = chaos.run_job(sc.world, argv, log=log, timeout=timeout)
+        job = chaos.run_job(sc.world, argv, log=log, timeout=timeout, testbed=self.testbed)
         return job, judge(sc, job, ckpt, ref)
 
 

@@ -53,10 +53,12 @@ class _Campaign:
         if not 0 <= args.host_kills <= 1:
             raise ValueError(f"--host-kills {args.host_kills}: give a share between 0 and 1")
         self.retune = int(self.cfg["stannis"]["retune_every"])
+        # On a testbed: the node of each rank, in launch order.
+        self.testbed, self.slots = chaos.testbed_slots(args, 1 + self.csds)
 
     def draw(self, rng: random.Random, index: int) -> Scenario:
         from mpipipe.core.config import load_config
-        from mpipipe.core.faults import FaultError, check_reachable, parse_all
+        from mpipipe.core.faults import FaultError, check_nodes, check_reachable, parse_all
 
         from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, stannis_plan
 
@@ -67,16 +69,25 @@ class _Campaign:
         plan = stannis_plan(cfg, world)
         faults: list[str] = []
         kill_host = rng.random() < self.args.host_kills
+        hosts = ["mpt-" + node for node in self.slots[:world]]
+        # the host's node never: no run survives losing the host (check_nodes refuses it)
+        nodes = sorted(set(self.slots[1:world]) - set(self.slots[:1]))
         for i in range(rng.choice((1, 1, 2, 2, 3))):
             for _attempt in range(20):
-                spec = self._fault(rng, n, faults, host=kill_host and i == 0)
+                if nodes and not (kill_host and i == 0) and rng.random() < chaos.NODE_FAULT_P:
+                    # no partition: Stannis finds a lost CSD by ULFM only (docs/stannis.md)
+                    spec = chaos.node_fault(rng, nodes, n, partition=False)
+                else:
+                    spec = self._fault(rng, n, faults, host=kill_host and i == 0)
                 try:
                     check_reachable(parse_all([*faults, spec]), plan, steps=n)
+                    if hosts:
+                        check_nodes(parse_all([*faults, spec]), hosts, plan)
                 except FaultError:
                     continue
                 faults.append(spec)
                 break
-        targets = sorted({int(f.rank) for f in parse_all(faults) if f.rank is not None})
+        targets = chaos.hit_ranks(faults, hosts, lambda f: f.rank)
         knobs = {"CSDs": self.csds, "N": n, "retune_every": self.retune, "world": world}
         return Scenario(index, world, sets, faults, knobs,
                         {"targets": targets, "host_killed": any(
@@ -107,7 +118,7 @@ class _Campaign:
             log = folder / "clean.h5"
             argv = chaos.python_argv("stannis", config=self.config, sets=sc.sets, faults=[],
                                      log=log)
-            job = chaos.run_job(sc.world, argv, log=log, timeout=900)
+            job = chaos.run_job(sc.world, argv, log=log, timeout=900, testbed=self.testbed)
             if job.rc != 0:
                 raise RuntimeError(f"the failure-free run failed (exit {job.rc}); see "
                                    f"{log.with_suffix('.err')}:\n{job.stderr[-1500:]}")
@@ -117,7 +128,7 @@ class _Campaign:
                                  log=log)
         timeout = self.args.timeout_factor * self.clean_s + \
             chaos.fault_time(sc.faults, int(sc.knobs["N"])) + 60.0
-        job = chaos.run_job(sc.world, argv, log=log, timeout=timeout)
+        job = chaos.run_job(sc.world, argv, log=log, timeout=timeout, testbed=self.testbed)
         return job, judge(sc, job)
 
 

@@ -149,3 +149,33 @@ def test_a_link_bucket_holds_a_millisecond_of_traffic_and_two_frames() -> None:
 
     assert burst_bytes(1000) == 125_000 and burst_bytes(100) == 12_500
     assert burst_bytes(20) == burst_bytes(1) == 2 * FRAME_BYTES
+
+
+@pytest.mark.parametrize("specs, why", [
+    # a rank's fault after its node was killed
+    (["node-kill:node=a:step=2", "kill:stage=0:step=19"], "its rank 0 is ended before, by "
+                                                          "node-kill:node=a:step=2"),
+    # a second node fault on a node already ended (by a kill or a partition)
+    (["node-kill:node=a:step=9", "node-kill:node=a:step=11"], "ended before, by node-kill:node=a"),
+    (["partition:node=b:step=3:seconds=2", "stall:stage=1:step=8"], "its rank 1 is ended before"),
+    # a node fault whose firing rank (the node's lowest) was killed before
+    (["kill:stage=0:step=4", "partition:node=a:step=6"], "its rank 0 is ended before, by "
+                                                         "kill:stage=0:step=4"),
+    (["kill:rank=1:step=4:round=1", "node-kill:node=b:step=9"], "its rank 1 is ended before"),
+])
+def test_a_fault_a_node_fault_ends_first_is_refused(monkeypatch: pytest.MonkeyPatch, specs, why) -> None:
+    import mpipipe.pipeline.plan  # noqa: F401 - declares the stage, backup and spare role kinds
+    from mpipipe.core import testbed
+    from mpipipe.core.roles import LaunchPlan, Role
+
+    bed = testbed.Testbed(tuple(testbed.Node(n, 0.5, 100.0, 2) for n in ("a", "b")),
+                          testbed.ipaddress.IPv4Network("10.213.0.0/24"))
+    monkeypatch.setattr(testbed, "current", lambda: bed)
+    # ranks 0, 3 on a; 1, 2 on b (node b's lowest rank, 1, fires its faults)
+    plan = LaunchPlan((Role("stage", 0), Role("stage", 1), Role("backup", 1), Role("backup", 0)))
+    hosts = ["mpt-a", "mpt-b", "mpt-b", "mpt-a"]
+    with pytest.raises(FaultError, match=why):
+        check_nodes([parse(s) for s in specs], hosts, plan)
+    # faults in an order where each can fire pass (rank 3 is not the one that fires a's)
+    check_nodes([parse("kill:rank=3:step=19"), parse("node-kill:node=a:step=20")], hosts, plan)
+    check_nodes([parse("stall:stage=1:step=2"), parse("partition:node=b:step=3")], hosts, plan)

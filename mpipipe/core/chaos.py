@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from mpipipe.core.launch import JobTimeout, run_mpi
+from mpipipe.core.testbed import Testbed, TestbedError, running
 
 __all__ = ["Scenario", "Job", "Verdict", "GOOD", "BAD", "add_chaos_arguments", "parse_budget",
-           "run_job", "campaign", "read_log", "first_verdict", "rows_once", "fault_time", "main"]
+           "run_job", "campaign", "read_log", "first_verdict", "rows_once", "fault_time", "main",
+           "testbed_slots", "node_fault", "hit_ranks"]
 
 # What a run may end as. The good verdicts are those the docs promise; the bad ones are
 # defects: HANG (the outer time limit, or the progress watchdog, ended it), CRASH (a
@@ -136,18 +138,24 @@ def add_chaos_arguments(parser: argparse.ArgumentParser, *, runs: int) -> None:
     parser.add_argument("--timeout-factor", type=float, default=4.0, metavar="F",
                         help="a run is HANG after F x its failure-free time + stalls + 60 s "
                              "(default 4)")
+    parser.add_argument("--testbed", metavar="FILE",
+                        help="run every scenario across the nodes of this emulated cluster "
+                             "(docs/testbed.md; root only; brought up and down here unless "
+                             "it is up already) and draw whole-node faults too: node-kill "
+                             "and partition")
 
 
 def run_job(world: int, argv: Sequence[str], *, log: Path, timeout: float,
-            ulfm: bool = True) -> Job:
+            ulfm: bool = True, testbed: Testbed | None = None) -> Job:
     """Run ``python ARGV`` on ``world`` ranks with :func:`mpipipe.core.launch.run_mpi`
     (on the time limit every rank prints its stack, then the job's whole session is
-    killed); its output also goes beside the log (``.out``, ``.err``)."""
+    killed), across ``testbed``'s nodes if given; its output also goes beside the log
+    (``.out``, ``.err``)."""
     start = time.monotonic()
     rc: int | None
     try:
         done = run_mpi(world, list(argv), ulfm=ulfm, timeout=timeout,
-                       env={"MPIPIPE_PROGRESS": "lines"})
+                       env={"MPIPIPE_PROGRESS": "lines"}, testbed=testbed)
         rc, out, err = done.returncode, done.stdout, done.stderr
     except JobTimeout as e:
         rc, out, err = None, e.stdout or "", e.stderr or ""
@@ -157,13 +165,66 @@ def run_job(world: int, argv: Sequence[str], *, log: Path, timeout: float,
     return Job(rc, time.monotonic() - start, out, err, log)
 
 
+NODE_FAULT_P = 0.4  # on a testbed: how often a drawn fault takes a whole node
+PARTITION_S = (2, 4, 7)
+
+
+def testbed_slots(args: argparse.Namespace, need: int) -> tuple[Testbed | None, list[str]]:
+    """``--testbed``: the testbed, and the node of each MPI slot in launch order (ranks
+    fill the slots in file order); (None, []) without it.
+
+    Raises:
+        ValueError: its nodes have fewer than ``need`` slots (or the file is bad).
+    """
+    if not getattr(args, "testbed", None):
+        return None, []
+    from mpipipe.core.testbed import load
+
+    bed = load(args.testbed)
+    slots = [n.name for n in bed.nodes for _ in range(n.slots)]
+    if len(slots) < need:
+        raise ValueError(f"--testbed {args.testbed}: its nodes have {len(slots)} MPI slots, "
+                         f"fewer than the {need} ranks the smallest scenario needs; give "
+                         "the nodes more slots")
+    return bed, slots
+
+
+def node_fault(rng: random.Random, nodes: Sequence[str], steps: int, *,
+               partition: bool = True) -> str:
+    """A whole-node fault on a testbed: every process of a node killed, or (``partition``:
+    the system finds an unreachable rank) its link down."""
+    node, step = rng.choice(list(nodes)), rng.randint(2, steps - 3)
+    if not partition or rng.random() < 0.5:
+        return f"node-kill:node={node}:step={step}"
+    return f"partition:node={node}:step={step}:seconds={rng.choice(PARTITION_S)}"
+
+
+def hit_ranks(faults: Sequence[str], hosts: Sequence[str],
+              rank_of: Callable[[Any], int | None]) -> list[int]:
+    """Every rank a fault aims at: ``rank_of(fault)`` for a rank's or a stage's, and every
+    rank on the node (``hosts``: each rank's host) for a node fault."""
+    from mpipipe.core.faults import parse_all
+
+    hit: set[int] = set()
+    for f in parse_all(faults):
+        if f.node is None:
+            r = rank_of(f)
+            hit.update([] if r is None else [r])
+        else:
+            hit.update(i for i, h in enumerate(hosts) if h == "mpt-" + f.node)
+    return sorted(hit)
+
+
 def fault_time(faults: Sequence[str], steps: int) -> float:
     """Seconds the faults themselves may add to a run, for its time limit: each stall,
-    a delay's expected sleeps three times over, and 30 s for a slow-down."""
+    a delay's expected sleeps three times over, 30 s for a slow-down, and, for a fault
+    inside a recovery round (``round=1``), the round's wait for the build besides."""
     from mpipipe.core.faults import parse_all
 
     total = 0.0
     for f in parse_all(faults):
+        if f.round:
+            total += 30.0  # ResPipe's BUILD_WAIT_S (15 s) twice: the faulted rank's own
         if f.kind in ("stall", "partition"):
             total += f.seconds
         elif f.kind == "delay":
@@ -228,8 +289,17 @@ def main(args: argparse.Namespace, *, system: str, build: Callable[[argparse.Nam
     except (ValueError, FileNotFoundError) as e:
         print(f"{system} chaos: error: {e}", file=sys.stderr)
         return 2
-    return campaign(args, prog=f"python -m {system} chaos", argv=sys.argv[2:],
-                    draw=camp.draw, execute=camp.execute)
+    bed = getattr(camp, "testbed", None)
+    if bed is None:
+        return campaign(args, prog=f"python -m {system} chaos", argv=sys.argv[2:],
+                        draw=camp.draw, execute=camp.execute)
+    try:
+        with running(bed):
+            return campaign(args, prog=f"python -m {system} chaos", argv=sys.argv[2:],
+                            draw=camp.draw, execute=camp.execute)
+    except TestbedError as e:
+        print(f"{system} chaos: error: --testbed {args.testbed}: {e}", file=sys.stderr)
+        return 2
 
 
 def _rerun(prog: str, argv: Sequence[str], seed: int, index: int) -> str:

@@ -353,6 +353,37 @@ def check_nodes(faults: Sequence[Fault], hosts: Sequence[str], plan: LaunchPlan 
         if vital:
             raise FaultError(f"fault {f}: node mpt-{f.node} runs the host (rank {vital[0]}), which no "
                              f"run survives losing; aim it at a node of CSD ranks only")
+    _check_node_order(faults, plan)
+
+
+def _check_node_order(faults: Sequence[Fault], plan: LaunchPlan | None) -> None:
+    """Refuse a fault whose rank a node fault has ended before it is due, or a node fault
+    whose firing rank a kill has ended before (as :func:`check_reachable` does for kills
+    of ranks). A node fault ends its node's ranks at its step (a partition: they answer
+    nobody from then on); points are ordered as there."""
+    assert _hosts is not None
+
+    def rank_of(f: Fault) -> int | None:
+        if f.node is not None:
+            return firing_rank(f.node, _hosts)
+        return target_rank(f, plan) if plan is not None else f.rank
+
+    def at(f: Fault) -> tuple[int, int]:
+        return f.step, (f.micro if f.kind in ("kill", "stall") else -1)
+
+    for i, end in enumerate(faults):
+        if end.node is not None:
+            dead = {r for r, h in enumerate(_hosts) if h == "mpt-" + end.node}
+        elif end.kind == "kill":
+            dead = {rank_of(end)}
+        else:
+            continue
+        for j, f in enumerate(faults):
+            if j == i or (f.node is None and end.node is None) or rank_of(f) not in dead:
+                continue  # (a kill and another fault of ranks: check_reachable's)
+            if at(f) > at(end) or (at(f) == at(end) and j > i) or \
+                    (end.round and f.step >= end.step):
+                raise _never(f, f"its rank {rank_of(f)} is ended before, by {end}")
 
 
 def _node_procs(node: str) -> Path:

@@ -5,7 +5,7 @@
 # util-linux with apt-get when ip, tc, nsenter, unshare or setpriv are missing, runs the
 # tests with a time limit (MPIPIPE_REQUIRE_CLUSTER=1: they fail rather than skip where a
 # testbed cannot be made), and takes any testbed down on the way out, whatever happens.
-# Knobs: MPIPIPE_VENV (default .venv), CLUSTER_TEST_TIMEOUT (seconds, default 900).
+# Knobs: MPIPIPE_VENV (default .venv), CLUSTER_TEST_TIMEOUT (seconds, default 1800).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
@@ -30,5 +30,5 @@ if ((${#missing[@]})); then
 fi
 
 trap '"$PY" -m mpipipe.testbed down >/dev/null 2>&1 || true' EXIT
-MPIPIPE_REQUIRE_CLUSTER=1 timeout "${CLUSTER_TEST_TIMEOUT:-900}" \
+MPIPIPE_REQUIRE_CLUSTER=1 timeout "${CLUSTER_TEST_TIMEOUT:-1800}" \
     "$PY" -m pytest -q -p no:cacheprovider tests/cluster
