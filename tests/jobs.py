@@ -1,6 +1,7 @@
 """Helpers of the tests that run ResPipe jobs under mpirun and hold them to a failure-free
 run (tests/test_chaos_found.py, tests/test_augment_mpi.py): one way to run a job, read
-its checkpoints and check it completed."""
+its checkpoints and check it completed; and one way to run a small MPI script under
+ULFM and read what its ranks printed (tests/test_ft_*.py)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,13 @@ def completed_once(result: Any, log: Path, steps: int) -> Any:
     assert [int(s) for s in run.steps["step"]] == list(range(1, steps + 1))
     assert all(math.isfinite(float(x)) for x in run.steps["loss"]), run.steps["loss"]
     return run
+
+
+def ulfm_script_lines(folder: Path, script: str, ranks: int,
+                      timeout: float = 120) -> tuple[set[str], str]:
+    """Run ``script`` (Python source) on ``ranks`` ranks under ``mpirun --with-ft ulfm``:
+    (the lines its ranks printed, what to show when an assertion on them fails)."""
+    path = folder / "script.py"
+    path.write_text(script)
+    result = run_mpi(ranks, [str(path)], ulfm=True, timeout=timeout)
+    return set(result.stdout.splitlines()), result.stdout + result.stderr[-3000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.core.launch import run_mpi
+from jobs import ulfm_script_lines
 
 SCRIPT = """
 import os, signal, time
@@ -56,11 +56,7 @@ os._exit(0)
 
 @pytest.mark.timeout(200)
 def test_a_member_that_never_comes_makes_the_others_give_up_alike(tmp_path):
-    script = tmp_path / "build.py"
-    script.write_text(SCRIPT)
-    result = run_mpi(3, [str(script)], ulfm=True, timeout=150)
-    lines = set(result.stdout.splitlines())
-    why = result.stdout + result.stderr[-3000:]
+    lines, why = ulfm_script_lines(tmp_path, SCRIPT, 3, timeout=150)
     for r in range(3):
         assert f"all {r} built 3" in lines and f"after {r} built 3" in lines, why
     for r in range(2):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.core.launch import run_mpi
+from jobs import ulfm_script_lines
 
 SCRIPT = """
 import os, signal
@@ -56,11 +56,7 @@ for name, work in (("clean", bcast), ("root", root_fails_after_the_others_left),
 
 @pytest.mark.timeout(150)
 def test_every_survivor_gets_the_same_verdict(tmp_path):
-    script = tmp_path / "phase.py"
-    script.write_text(SCRIPT)
-    result = run_mpi(3, [str(script)], ulfm=True, timeout=120)
-    lines = set(result.stdout.splitlines())
-    why = result.stdout + result.stderr[-3000:]
+    lines, why = ulfm_script_lines(tmp_path, SCRIPT, 3, timeout=120)
     for r in range(3):
         assert f"clean {r} ok" in lines, why
         assert f"root {r} shrunk to 3" in lines and f"other {r} shrunk to 3" in lines, why

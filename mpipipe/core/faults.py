@@ -503,15 +503,21 @@ class FaultPlan:
         slept = 0.0
         for i, f in enumerate(self.mine):
             if f.round and step >= f.step and (i, -2) not in self._fired:
-                self._fired.add((i, -2))
-                if self.on_fire:
-                    self.on_fire(f, step, {"seconds": f.seconds})
+                slept += self._kill_or_stall(f, step, (i, -2))
                 if f.kind == "kill":
-                    self._kill()
                     return slept  # only reached when kill is replaced in tests
-                self._sleep(f.seconds)
-                slept += f.seconds
         return slept
+
+    def _kill_or_stall(self, f: Fault, step: int, key: tuple[int, int]) -> float:
+        """Fire one kill or stall (once: ``key`` is marked fired); the seconds slept."""
+        self._fired.add(key)
+        if self.on_fire:
+            self.on_fire(f, step, {"seconds": f.seconds})
+        if f.kind == "kill":
+            self._kill()
+            return 0.0  # only reached when kill is replaced in tests
+        self._sleep(f.seconds)
+        return f.seconds
 
     def unfired_round_faults(self) -> list[Fault]:
         """This process's round faults that no round fired (said at the end of a run)."""
@@ -556,14 +562,9 @@ class FaultPlan:
                 return slept  # only reached when kill is replaced in tests
             elif f.kind in ("kill", "stall") and f.step == step and f.micro == micro \
                     and not f.round and (i, step) not in self._fired:
-                self._fired.add((i, step))
-                if self.on_fire:
-                    self.on_fire(f, step, {"seconds": f.seconds})
+                slept += self._kill_or_stall(f, step, (i, step))
                 if f.kind == "kill":
-                    self._kill()
                     return slept  # only reached when kill is replaced in tests
-                self._sleep(f.seconds)
-                slept += f.seconds
             elif f.kind == "delay" and micro < 0 and step >= f.step \
                     and (i, step) not in self._fired:
                 # Once per step: a replayed step does not straggle again (else a delay
