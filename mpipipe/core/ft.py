@@ -124,7 +124,11 @@ def from_group(world: Any, ranks: list[int], tag: str, wait_s: float | None = No
     one "no" and all of them raise :class:`BuildFailed` (a member that gave up says its
     "no" from the thread, whenever the call completes). A build that never completes
     leaves its thread blocked; the process leaves without ``MPI_Finalize`` anyway after
-    a round.
+    a round. A caveat no thread can help: when Open MPI processes the death of a member
+    while such a call waits (here or in a thread left blocked), it was seen to crash
+    the process (a segmentation fault in ``ompi_comm_revoke_local``). So callers first
+    make sure every member is there (ResPipe: ``Rounds._ready``), and this time limit
+    is the last line, for a member that dies in between.
 
     What is returned is a duplicate of the communicator made from the group: Open MPI
     5.0's agreement (``Agree``) on a communicator made from a group keys its history on

@@ -13,7 +13,7 @@ from mpipipe.core import ft, watchdog
 from mpipipe.respipe.control import _ADMIT, _CLOSED, _REJOIN, _Control
 from mpipipe.respipe.membership import Demoted
 from mpipipe.respipe.messages import Decision
-from mpipipe.respipe.rounds import BUILD_WAIT_S, _Round, _RoundStarted
+from mpipipe.respipe.rounds import _Round, _RoundStarted
 
 REJOIN_WAIT_S = 300.0  # how long a replaced rank waits to be admitted or told the job ended
 
@@ -105,14 +105,12 @@ class Rejoin:
 
         False when the communicator could not be built (then the rank leaves)."""
         MPI = self.MPI
-        self.faults.in_round(d.step)  # kill/stall ...:round=1, as any member's
         try:
-            new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag,
-                                wait_s=BUILD_WAIT_S)
+            new = self._build(d, lambda step: self.faults.in_round(d.step))
             ctl = new.Dup()
             ctl.Set_errhandler(MPI.ERRORS_RETURN)
             ft.agree(new, 1)
-        except (MPI.Exception, ft.BuildFailed):
+        except (MPI.Exception, _RoundStarted):
             return False  # a member died or never came: the members go on without this rank
         k, P = d.admit_stage, d.step
         self.data, self.control, self.members = new, _Control(ctl), list(d.members)

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mpipipe.core import ft, watchdog
 from mpipipe.core.logschema import EventKind
 from mpipipe.core.statecodec import unpack_state
 from mpipipe.core.transport import Late, PeerFailed, pause
-from mpipipe.respipe.control import _ANNOUNCE, _DECISION, _DEMOTED, _Control
+from mpipipe.respipe.control import _ANNOUNCE, _DECISION, _DEMOTED, _GO, _READY, _Control
 from mpipipe.respipe.decide import View, decide, eval_point, round_patience
 from mpipipe.respipe.membership import _DEBUG, Demoted, StageLost
 from mpipipe.respipe.messages import Decision, StateReport
@@ -241,6 +242,68 @@ class Rounds:
         self.gen += 1
         raise _RoundStarted(_Round("rebuild", -1, time.time()))
 
+    def _build(self, d: Decision, in_round: Callable[[int], float]) -> Any:
+        """The new generation's communicator, built by its members alone (a member's and an
+        admitted rank's side alike); runs the round again (:meth:`_rebuild`) if a member
+        did not come.
+
+        From their world ranks (ft.from_group): a left-out rank, dead or stalled, and an
+        admitted rank (not on this generation's communicator) need nothing else. Not
+        Shrink, even when every rank left out is dead: it waits for every live rank, and
+        a member may stall or die in between. The lobby's ranks are world ranks. First
+        every member says it is there (:meth:`_ready`), so that the build itself only
+        starts among members that all came.
+        """
+        since = time.perf_counter()
+        in_round(max(self.done, d.step))  # kill/stall ...:round=1
+        watchdog.waiting(f"building generation {d.gen} with ranks {list(d.members)}")
+        if not self._ready(d, since):
+            self._rebuild(d, ft.BuildFailed("a member did not say it was there in time"))
+        try:
+            new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag,
+                                wait_s=BUILD_WAIT_S)
+        except ft.BuildFailed as e:
+            self._rebuild(d, e)
+        watchdog.waiting("")
+        return new
+
+    def _ready(self, d: Decision, since: float) -> bool:
+        """Every member says, on the lobby, that it is there to build generation ``d.gen``;
+        the round's coordinator (the lowest member heard: the lowest but an admitted
+        rank) answers all of them: build (True) or run the round again (False).
+
+        Why: Open MPI 5.0's ``Create_from_group`` waits for ever for a member that does
+        not come, and one blocked with a member that dies was seen to crash the process
+        (a segmentation fault in ``ompi_comm_revoke_local``, under ULFM, when the death
+        is processed). So it is only started once every member is known to be there.
+
+        One verdict for all: the coordinator says "build" only within BUILD_WAIT_S of
+        reading its own decision (``since``), while every other member waits for the
+        verdict twice as long from a later moment (it read the decision after it was
+        sent); a member that hears nothing (the coordinator died or stalled) runs the
+        round again, as all the others then do.
+        """
+        leader = min(w for w in d.members if w != d.admit)
+        others = [w for w in d.members if w != leader]
+        if self.wrank != leader:
+            self.lobby.send(_READY, leader, [d.gen], seq=d.gen)
+            end = since + 2 * BUILD_WAIT_S
+            while time.perf_counter() < end:
+                msg = self.lobby.poll(_GO, leader, seq=d.gen)
+                if msg is not None:
+                    return bool(msg[1])
+                time.sleep(0.001)
+            return False
+        ready: set[int] = set()
+        while time.perf_counter() < since + BUILD_WAIT_S and len(ready) < len(others):
+            ready.update(w for w in others if w not in ready
+                         and self.lobby.poll(_READY, w, seq=d.gen) is not None)
+            time.sleep(0.0005)
+        go = len(ready) == len(others) and time.perf_counter() < since + BUILD_WAIT_S
+        for w in others:
+            self.lobby.send(_GO, w, [d.gen, float(go)], seq=d.gen)
+        return go
+
     # -- apply -----------------------------------------------------------------------
     def _apply(self, d: Decision, rnd: _Round) -> None:
         """Build the new communicators, then adopt the route, roles and state of step P."""
@@ -248,19 +311,7 @@ class Rounds:
         old_data = self.data
         gone = [w for w in self.members if w not in d.members]
         shrunk = bool(d.shrink)  # every rank left out had failed
-        # The members alone build it, from their world ranks (ft.from_group): a left-out
-        # rank, dead or stalled, and an admitted rank (not on this generation's
-        # communicator) need nothing else. Not Shrink, even when every rank left out is
-        # dead: it waits for every live rank, and a member may stall or die in between.
-        # The lobby's ranks are world ranks.
-        self.faults.in_round(max(self.done, d.step))  # kill/stall ...:round=1
-        watchdog.waiting(f"building generation {d.gen} with ranks {list(d.members)}")
-        try:
-            new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag,
-                                wait_s=BUILD_WAIT_S)
-        except ft.BuildFailed as e:
-            self._rebuild(d, e)
-        watchdog.waiting("")
+        new = self._build(d, self.faults.in_round)
         ctl = new.Dup()
         ctl.Set_errhandler(MPI.ERRORS_RETURN)
         lobby = self.lobby.comm.Get_group()
