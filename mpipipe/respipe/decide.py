@@ -109,13 +109,24 @@ def decide(reports: Mapping[int, StateReport], view: View, settings: Settings) -
     if merge >= 0:
         holders_now[merge] = [h for h in stage_holders(merge, view.route, view.backups, mode)
                               if h in heard][0]
+    # One step back to a holder's replica (the replica of ``floor`` was still on its way),
+    # if every stage can go back with it: a rank rolls back one step at most (it keeps
+    # the snapshots of its last two steps), so not when a stage is already a step ahead
+    # (seed 5 #16: "cannot roll back from step 5 to 3"); the holder then starts from its
+    # newest replica up to P, and the updates since are lost, as with R > 1.
+    even = not stage_done or max(stage_done) <= floor
     for b in holders_now.values():
         have = {heard[b].latest, heard[b].prev}
-        if floor not in have and floor - 1 in have:
+        if floor not in have and floor - 1 in have and even:
             P = floor - 1
     choices = {}
     for k, b in holders_now.items():
         have = sorted(c for c in (heard[b].latest, heard[b].prev) if 0 <= c <= P)
+        if not have and k == merge:
+            # The neighbour holds no replica of it yet (the pipeline merged a stage
+            # since, and no replica step came): the stage is lost, one clean line.
+            lost_stage, merge = k, -1
+            continue
         choices[k] = P if P in have else (have[-1] if have else 0)
     shrink = any(w in view.dead for w in view.members if w not in heard) and \
         not any(w not in view.dead for w in view.silent)
