@@ -136,3 +136,17 @@ def test_a_member_stalled_between_the_decision_and_the_build_is_left_out(runs):
                  "inject:stall:rank=5:step=12:round=1:seconds=25")
     # (stage 1's rank is dead and rank 5 stalled: once a Shrink waited for rank 5)
     assert {e["detail"]["stage"] for e in run.events_of("takeover")} == {1}
+
+
+@pytest.mark.timeout(600)
+def test_neighbour_mode_does_not_step_back_behind_a_stage_a_step_ahead(runs):
+    # Seed 5 #16 (neighbour, R = 3): stage 0 stalled after its last forward of step 4, so
+    # stage 2 finished step 4 while stage 1 had not; the round stepped back to the
+    # neighbour's replica of step 3 and stage 2 could not roll back two steps
+    # ("cannot roll back from step 5 to 3"). Now P stays at the slowest stage's step.
+    result, log, _ = runs("neighbour-spread", 3, "resilience.backups={}",
+                          'resilience.mode="neighbour"', "resilience.replicate_every=3",
+                          "resilience.deadline_factor=5.0",
+                          "inject:stall:stage=0:step=4:micro=3:seconds=1")
+    run = _completed_once(result, log)
+    assert [e["detail"]["stage"] for e in run.events_of("takeover")] == [0]
