@@ -152,7 +152,17 @@ class _Campaign:
         knobs = {"K": k, "mode": mode, "R": r, "DF": df, "N": n, "backups": table,
                  "world": world}
         targets = chaos.hit_ranks(faults, hosts, lambda f: target_rank(f, plan))
-        facts = {"targets": targets, "stage_ranks": stage_ranks,
+        # A step's loss lives on three ranks (the last stage, the log's writer, the loss
+        # keeper); docs/respipe.md allows a NaN loss in a row whose three all went at
+        # once: rows S and S + 1 of a fault step S at which 3 or more ranks were hit.
+        at_once: dict[int, list[int]] = {}
+        for f, spec in zip(parse_all(faults), faults, strict=True):
+            if f.kind in ("kill", "stall", "node-kill", "partition") and not f.round:
+                at_once.setdefault(f.step, []).extend(
+                    chaos.hit_ranks([spec], hosts, lambda g: target_rank(g, plan)))
+        nan_ok = sorted({row for step, hit in at_once.items() if len(set(hit)) >= 3
+                         for row in (step, step + 1)})
+        facts = {"targets": targets, "stage_ranks": stage_ranks, "nan_ok": nan_ok,
                  "holders": {s: sorted({*plan.ranks_of("stage", s), *plan.ranks_of("backup", s)})
                              for s in range(k)}}
         return Scenario(index, world, sets, faults, knobs, facts)
@@ -248,6 +258,11 @@ def _final_state(ckpt: Path) -> list[Any]:
     return tensors
 
 
+def _nan_ok(sc: Scenario) -> frozenset[int]:
+    """Rows whose loss the docs allow to be NaN (see :meth:`_Campaign.draw`)."""
+    return frozenset(sc.facts.get("nan_ok", ()))
+
+
 def _stage_may_be_lost(sc: Scenario) -> bool:
     """Do the faults alone allow a clean 'no backup left'? Every rank launched holding
     some stage (the stage's own and its backups) is a target; in neighbour mode, two
@@ -271,7 +286,7 @@ def judge(sc: Scenario, job: Job, ckpt: Path, ref: _Reference) -> Verdict:
             return Verdict("CRASH", f"exit {job.rc} after {status[:120]!r} (expected 2 and "
                                     "one error line)")
         written = [int(s) for s in run.steps.get("step", [])]
-        gaps = chaos.rows_once(run, written[-1] if written else 0)
+        gaps = chaos.rows_once(run, written[-1] if written else 0, _nan_ok(sc))
         if gaps:
             return Verdict("WRONG", gaps)
         if not _stage_may_be_lost(sc):
@@ -281,7 +296,7 @@ def judge(sc: Scenario, job: Job, ckpt: Path, ref: _Reference) -> Verdict:
     if status != "completed" or job.rc != 0:
         return Verdict("CRASH" if status in ("", "running") or job.rc not in (0, 2)
                        else "UNEXPECTED", f"exit {job.rc}, log status {status[:160]!r}")
-    gaps = chaos.rows_once(run, n)
+    gaps = chaos.rows_once(run, n, _nan_ok(sc))
     if gaps:
         return Verdict("WRONG", gaps)
     replaced = {int(e["rank"]) for e in run.events_of("late") + run.events_of("failure_detected")}

@@ -146,3 +146,26 @@ def test_stannis_scenarios_hit_csds_at_retunes_and_now_and_then_the_host():
         together += len(steps) != len(set(steps))
     assert 20 <= host <= 60  # 0.2 of 200, well inside the binomial's spread
     assert at_retune > 100 and together > 10
+
+
+def test_a_nan_loss_is_allowed_only_where_three_ranks_went_at_once(monkeypatch, tmp_path):
+    """docs/respipe.md: a step's loss lives on three ranks; a row's loss may be NaN only
+    when all of them went at once (testbed seed 7 #2: node b, with the log's writer, the
+    last stage and the loss keeper, killed at step 70)."""
+    from types import SimpleNamespace
+
+    from mpipipe.core import chaos, testbed
+
+    run = SimpleNamespace(steps={"step": [1, 2, 3], "loss": [0.1, float("nan"), 0.3]})
+    assert "non-finite loss at steps [2]" in chaos.rows_once(run, 3)
+    assert chaos.rows_once(run, 3, frozenset({2, 3})) == ""
+    bed_file = tmp_path / "bed.toml"
+    bed_file.write_text("".join(f'[nodes.{n}]\ncpu = 1.0\nlink_mbit = 1000\nslots = {k}\n'
+                                for n, k in (("a", 3), ("b", 3), ("c", 2), ("d", 2))))
+    bed = testbed.load(bed_file)
+    monkeypatch.setattr(testbed, "current", lambda: bed)
+    camp = _campaign("--stages", "3,4", "--testbed", str(bed_file))
+    sc = camp.draw(random.Random("7:2"), 2)
+    assert sc.faults == ["node-kill:node=a:step=49", "node-kill:node=b:step=70"]
+    assert sc.facts["nan_ok"] == [49, 50, 70, 71]
+    assert _campaign("--stages", "3,4").draw(random.Random("7:2"), 2).facts["nan_ok"] == []

@@ -265,9 +265,10 @@ def first_verdict(job: Job) -> tuple[Any, Verdict | None]:
     return run, None
 
 
-def rows_once(run: Any, last: int | None) -> str:
+def rows_once(run: Any, last: int | None, nan_ok: frozenset[int] = frozenset()) -> str:
     """Why the log's step rows are not 1..last once each with a finite loss ('' if they
-    are; ``last`` None: up to the last row written)."""
+    are; ``last`` None: up to the last row written). ``nan_ok``: rows whose loss the
+    docs allow to be lost (NaN)."""
     steps = [int(s) for s in run.steps.get("step", [])]
     last = (steps[-1] if steps else 0) if last is None else last
     if steps != list(range(1, last + 1)):
@@ -276,7 +277,7 @@ def rows_once(run: Any, last: int | None) -> str:
         return (f"step rows are not 1..{last} once each (missing {missing[:8]}, "
                 f"doubled {doubled[:8]})")
     bad = [s for s, v in zip(steps, run.steps.get("loss", []), strict=False)
-           if not math.isfinite(float(v))]
+           if not math.isfinite(float(v)) and s not in nan_ok]
     return f"non-finite loss at steps {bad[:8]}" if bad else ""
 
 
