@@ -13,9 +13,10 @@ docs/respipe.md describes the mechanism and its knobs. In short:
   communicator (ULFM), announces its state on the control communicator and
   waits a grace period. The lowest live rank decides: who is left, which
   backup serves each lost stage, and the step P to replay; survivors that got
-  one step further roll it back from their snapshot. The new communicator
-  comes from ``Shrink`` (dead ranks) or ``Create_group`` (a stalled rank,
-  which stays alive and is told it was replaced).
+  one step further roll it back from their snapshot. The members build the new
+  communicator from their group alone (``Create_from_group``), once each has
+  said it is there; a left-out rank, dead or stalled (told it was replaced), is
+  not asked, and a member that never comes makes the round run again.
 - Every message carries the route's generation in its tag and travels on the
   generation's own communicator, so a demoted rank that wakes up is never
   listened to again. Under ULFM it asks, on a job-wide *lobby* communicator,
