@@ -67,6 +67,7 @@ examples: $(STAMP)
 		--log runs/example-resnet18.h5
 	$(MPIRUN) -n 3 $(PY) examples/own_model_stannis.py --data data/stannis-digits-2 --log runs/example-stannis.h5
 	$(PY) -m mpipipe report runs/example-resnet18.h5 --no-plots
+	rm -rf runs/example-own-images  # this target's own scratch folder: a rerun starts afresh
 	bash examples/own_images.sh runs/example-own-images
 
 test-slurm: $(STAMP)
