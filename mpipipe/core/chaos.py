@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mpipipe.core.launch import JobTimeout, run_mpi
-from mpipipe.core.testbed import Testbed, TestbedError, running
+from mpipipe.core.testbed import Testbed, TestbedError, load, running
 
 __all__ = ["Scenario", "Job", "Verdict", "GOOD", "BAD", "add_chaos_arguments", "parse_budget",
            "run_job", "campaign", "read_log", "first_verdict", "rows_once", "fault_time", "main",
@@ -178,8 +178,6 @@ def testbed_slots(args: argparse.Namespace, need: int) -> tuple[Testbed | None, 
     """
     if not getattr(args, "testbed", None):
         return None, []
-    from mpipipe.core.testbed import load
-
     bed = load(args.testbed)
     slots = [n.name for n in bed.nodes for _ in range(n.slots)]
     if len(slots) < need:
