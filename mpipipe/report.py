@@ -34,6 +34,7 @@ from mpipipe.core.logplot import (
     as_float,
     first_step_time,
     mark_events,
+    percent_axis,
     rank_label,
     registered_plots,
     roles,
@@ -472,6 +473,8 @@ def _plot_training(runs: Sequence[RunData], labels: list[str], colors: list[Any]
             ax.set_ylabel(title + (" (%)" if col == "accuracy" else ""))
             ax.set_title(f"{title} against {x}")
             ax.grid(alpha=0.3)
+            if drawn and col == "accuracy":
+                percent_axis(ax)
             if not drawn:
                 ax.text(0.5, 0.5, f"no {title} recorded", transform=ax.transAxes, ha="center", va="center")
             elif row == 0 and c == 0:

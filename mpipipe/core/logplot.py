@@ -29,7 +29,8 @@ from mpipipe.core.runlog import RunData
 
 __all__ = ["SystemPlots", "register_plots", "registered_plots", "as_float", "first_step_time", "roles",
            "rank_time", "rank_label", "mark_events", "save", "LINESTYLES", "ROUTINE_EVENTS",
-           "UNMARKED_EVENTS", "MAX_MARKED", "EVENT_STYLES", "LABEL_GAP"]
+           "UNMARKED_EVENTS", "MAX_MARKED", "EVENT_STYLES", "LABEL_GAP", "LABEL_STACK_PT",
+           "percent_axis"]
 
 # Events that recur every few steps: counted in the summary, not listed or marked one by one.
 ROUTINE_EVENTS = frozenset({K.CHECKPOINT, K.LATE})
@@ -42,6 +43,9 @@ LINESTYLES = ("-", "--", ":", "-.")
 EVENT_STYLES: dict[str, Any] = {K.FAILURE_DETECTED: ":", K.TAKEOVER: "--", K.FAULT_INJECTED: "-.",
                                 K.RETUNE: (0, (5, 1, 1, 1)), K.TAKEOVER_RECOVERED: (0, (1, 3))}
 LABEL_GAP = 0.04  # events closer than this share of the axis get one label, so labels never overlap
+# A label near one already on the axes (another run's, drawn on the same axes) is moved this
+# many points further left per label there: about a line of the labels' 7-point text.
+LABEL_STACK_PT = 9.0
 # Short names on the plots, so that a label of several kinds fits the axes' height.
 SHORT = {K.FAULT_INJECTED: "fault", K.FAILURE_DETECTED: "detected", K.TAKEOVER_RECOVERED: "recovered",
          K.LOG_WRITER_MOVED: "log moved"}
@@ -117,11 +121,22 @@ def rank_label(label: str, rank: int, role: str, several: bool) -> str:
     return f"{label}: {name}" if several else name
 
 
+def percent_axis(ax: Any) -> None:
+    """End a percentage axis (accuracy) at 100 and start it at 0 at the lowest: matplotlib's
+    margin around points near 100% would run it to about 104%, a value no accuracy takes."""
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(max(lo, 0.0), min(hi, 100.0))
+
+
 def mark_events(ax: Any, run: RunData, color: Any, x: str, *, label_kinds: bool) -> None:
     """Vertical lines at the notable events of ``run`` (x = 'step' or 'time'; time counts from
     the first step, as the curves do). Events closer together than LABEL_GAP of the axis share
-    one label, written once."""
-    from matplotlib.transforms import blended_transform_factory
+    one label, written once. Several runs drawn on one axes (a comparison) each label their
+    own events, in their own colour: a label that would fall within LABEL_GAP of labels already
+    on these axes goes into a column beside the first of them, LABEL_STACK_PT points further
+    left per label, so that runs with a fault at the same step never print their labels over
+    one another."""
+    from matplotlib.transforms import blended_transform_factory, offset_copy
 
     shift = first_step_time(run) if x == "time" else 0.0
     counts = Counter(e["kind"] for e in run.events)
@@ -148,9 +163,15 @@ def mark_events(ax: Any, run: RunData, color: Any, x: str, *, label_kinds: bool)
                 clusters[-1][1].append(kind)
         else:
             clusters.append((pos, [kind]))
+    placed: list[float] = ax.__dict__.setdefault("_mpipipe_event_labels", [])  # by earlier runs too
     for pos, kinds in clusters:
-        ax.text(pos, 0.98, " " + ", ".join(SHORT.get(k, k) for k in kinds), transform=trans, rotation=90,
+        near = [p for p in placed if abs(p - pos) <= gap]
+        # in a column beside the first label there, one line further left per label
+        at = near[0] if near else pos
+        where = offset_copy(trans, fig=ax.figure, x=-LABEL_STACK_PT * len(near), units="points")
+        ax.text(at, 0.98, " " + ", ".join(SHORT.get(k, k) for k in kinds), transform=where, rotation=90,
                 va="top", ha="right", fontsize=7, color=color)
+        placed.append(at)
 
 
 def save(fig: Any, path: Path) -> Path:
