@@ -184,11 +184,11 @@ class _Campaign:
             job = chaos.run_job(sc.knobs["K"], argv, log=log, ulfm=False, timeout=600,
                                 testbed=self.testbed)
             if job.rc != 0:
-                raise RuntimeError(f"the failure-free reference run failed (exit {job.rc}); "
-                                   f"see {log.with_suffix('.err')}:\n{job.stderr[-1500:]}")
+                raise chaos.reference_failed(job)
             ref, why = chaos.read_log(log)
             if ref is None:
-                raise RuntimeError(f"the failure-free reference's log is unreadable: {why}")
+                raise chaos.ReferenceFailed(f"the failure-free reference run's log {log} is "
+                                            f"unreadable: {why}")
             self.refs[key] = (job, _Reference([float(x) for x in ref.steps["loss"]],
                                               _final_state(folder / f"{name}-ckpt")))
         return self.refs[key]

@@ -10,9 +10,13 @@ count, buffer bytes, the activation bytes it sends on and the exact bytes of its
 (:func:`mpipipe.core.statecodec.layout_of`, the size of the message a backup receives).
 It needs no MPI and never imports mpi4py.
 
-When ``pipeline.balance`` is empty and ``pipeline.balance_by = "time"`` a run measures
-layer times on rank 0; a dry run cannot, so it balances by parameters and says so (as
-``python -m mpipipe cost`` does).
+When ``pipeline.balance`` is empty the cut is the run's own: the dry run calls the
+function the run calls (:func:`mpipipe.pipeline.partition.automatic_balance`), which
+with ``pipeline.balance_by = "time"`` times every layer on one micro-batch with the
+run's threads, as rank 0 of a run does, and cuts with the same rule. Timings are noisy,
+so it measures MEASUREMENTS times and says whether they agreed; layers that take about
+as long may swap sides between measurements, and the run measures again. The plan
+prints the ``--set pipeline.balance=[...]`` that makes a run use its cut exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from mpipipe.core.cli import add_dry_run_arguments
 __all__ = ["StagePlan", "ModelPlan", "add_parser", "plan_main", "build_plan", "format_plan"]
 
 PROG = "python -m mpipipe plan"
-TIME_NOTE = "by parameters; the run balances by measured time and may cut elsewhere"
+MEASUREMENTS = 3  # timings of the layers by which a dry run cuts, to see how stable the cut is
 
 
 @dataclass(frozen=True)
@@ -66,9 +70,14 @@ class ModelPlan:
     chunks_per_stage: int
     schedule: str
     balance: list[int]
-    balance_source: str  # "pipeline.balance", "params" or "params-instead-of-time"
+    balance_source: str  # "pipeline.balance", "params" or "time"
     optimizer: str
     stages: list[StagePlan] = field(default_factory=list)
+    # An automatic cut's per-layer costs (seconds of forward+backward, or parameters + 1),
+    # of the measurement that gave ``balance``; the cuts of the other measurements
+    # (``balance`` once for each that agreed: the cut is as stable as they are alike).
+    layer_costs: list[float] = field(default_factory=list)
+    measured_cuts: list[list[int]] = field(default_factory=list)
 
     @property
     def params(self) -> int:
@@ -102,24 +111,39 @@ def _in_shape(cfg: Mapping[str, Any], arg: str | None) -> tuple[int, int, int]:
         raise ValueError(f"{e} (or pass --in-shape C,H,W)") from None
 
 
-def _choose_balance(cfg: Mapping[str, Any], model: Any, k: int, v: int) -> tuple[list[int], str]:
-    """The balance the run would use, with the same checks the run makes before cutting."""
-    from mpipipe.pipeline.partition import balance_by_params, check_balance
+@dataclass(frozen=True)
+class _Cut:
+    balance: list[int]
+    source: str
+    costs: list[float] = field(default_factory=list)
+    cuts: list[list[int]] = field(default_factory=list)
+
+
+def _choose_balance(cfg: Mapping[str, Any], model: Any, in_shape: tuple[int, int, int], k: int,
+                    v: int) -> _Cut:
+    """The balance the run would use, with the same checks the run makes before cutting.
+
+    An automatic cut comes from the run's own function, measured MEASUREMENTS times when
+    by time: the cut most of them gave (the first such on a tie) is the plan's."""
+    from mpipipe.pipeline.partition import automatic_balance, check_balance
 
     p = cfg["pipeline"]
     name = cfg["model"]["factory"] or cfg["model"]["name"]
     if p["balance"]:
-        balance, source = check_balance(model, p["balance"]), "pipeline.balance"
+        cut = _Cut(check_balance(model, p["balance"]), "pipeline.balance")
     else:
         if v * k > len(model):
             raise ValueError(f"pipeline.stages = {k}" + (f" with {v} chunks each" if v > 1 else "")
                              + f" but model {name} has only {len(model)} layers")
-        balance = balance_by_params(model, k, v, p["chunks"])
-        source = "params" if p["balance_by"] == "params" else "params-instead-of-time"
-    if len(balance) != v * k:
-        raise ValueError(f"pipeline.balance = {balance} has {len(balance)} entries for "
+        by_time = p["balance_by"] == "time"
+        seen = [automatic_balance(cfg, model, in_shape) for _ in range(MEASUREMENTS if by_time else 1)]
+        cuts = [b for b, _ in seen]
+        balance, costs = max(seen, key=lambda bc: cuts.count(bc[0]))  # (max keeps the first)
+        cut = _Cut(balance, "time" if by_time else "params", costs, cuts)
+    if len(cut.balance) != v * k:
+        raise ValueError(f"pipeline.balance = {cut.balance} has {len(cut.balance)} entries for "
                          f"pipeline.stages = {k}" + (f" x {v} chunks" if v > 1 else ""))
-    return balance, source
+    return cut
 
 
 def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> ModelPlan:
@@ -146,7 +170,8 @@ def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Model
     v = chunks_per_stage(cfg)
     torch.manual_seed(cfg["run"]["seed"])  # as training does: the same weights on every rank
     model = recipe.build_model(cfg, in_shape)
-    balance, source = _choose_balance(cfg, model, k, v)
+    cut = _choose_balance(cfg, model, in_shape, k, v)
+    balance = cut.balance
     chunks = split(model, balance)
 
     def make_optimizer(params: list[Any]) -> Any:
@@ -185,9 +210,11 @@ def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Model
         chunks_per_stage=v,
         schedule=cfg["pipeline"]["schedule"],
         balance=balance,
-        balance_source=source,
+        balance_source=cut.source,
         optimizer=cfg["optim"]["name"],
         stages=stages,
+        layer_costs=cut.costs,
+        measured_cuts=cut.cuts,
     )
 
 
@@ -212,16 +239,18 @@ def format_plan(plan: ModelPlan) -> str:
     shape = "x".join(map(str, plan.input_shape))
     out = [f"model {plan.model}: {len(plan.layers)} layers, {plan.params:,} parameters, "
            f"{buffers:,} bytes of buffers; input {shape} ({plan.input_bytes:,} bytes/sample)"]
+    timed = plan.balance_source == "time"
     rows = []
     for i, text in enumerate(plan.layers):
         _, _, rest = text.partition(": ")
         name, _, what = rest.partition(" (")
-        rows.append((str(i), str(stage_of.get(i, "?")), name, f"({what}" if what else ""))
-    out += ["  " + r for r in _table(("layer", "stage", "name", "holds"), rows, "rrll")]
+        ms = [f"{plan.layer_costs[i] * 1e3:.3f}"] if timed else []
+        rows.append((str(i), str(stage_of.get(i, "?")), *ms, name, f"({what}" if what else ""))
+    head = ("layer", "stage", *(["time (ms)"] if timed else []), "name", "holds")
+    out += ["  " + r for r in _table(head, rows, "rrrll" if timed else "rrll")]
     chunks = f", {plan.chunks_per_stage} chunks per stage" if plan.chunks_per_stage > 1 else ""
-    how = {"pipeline.balance": "from pipeline.balance", "params": "by parameters",
-           "params-instead-of-time": TIME_NOTE}[plan.balance_source]
-    out.append(f"{plan.num_stages} stages ({plan.schedule}{chunks}), balance {plan.balance} ({how})")
+    out.append(f"{plan.num_stages} stages ({plan.schedule}{chunks}), balance {plan.balance} "
+               f"({_how(plan)})")
     rows = []
     for st in plan.stages:
         ranges = "/".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in st.layers)
@@ -240,6 +269,22 @@ def format_plan(plan: ModelPlan) -> str:
     return "\n".join(out)
 
 
+def _how(plan: ModelPlan) -> str:
+    """Where the balance comes from and, for a timed cut, how far to trust it."""
+    if plan.balance_source == "pipeline.balance":
+        return "from pipeline.balance"
+    if plan.balance_source == "params":
+        return "by parameters, as the run cuts"
+    agree = plan.measured_cuts.count(plan.balance)
+    others = sorted({str(c) for c in plan.measured_cuts if c != plan.balance})
+    text = (f"by measured time, as the run cuts: {agree} of {len(plan.measured_cuts)} "
+            "timings here cut so")
+    if others:
+        text += (f", the others {', '.join(others)}: layers that take about as long swap "
+                 "sides with any noise, and the run times them again")
+    return text + f"; to make the run cut so: --set 'pipeline.balance={plan.balance}'"
+
+
 # -- `python -m mpipipe plan` ------------------------------------------------------------------
 
 EPILOG = """\
@@ -249,8 +294,10 @@ example:
 
 Prints every layer of the chain (the units a balance counts) and, per stage, its
 layers, parameters, buffer bytes, activation bytes per sample it sends on, and the
-exact bytes of its replica. With an empty pipeline.balance and balance_by = "time"
-the dry run balances by parameters (a run measures times and may cut elsewhere).
+exact bytes of its replica. With an empty pipeline.balance the cut is made by the
+run's own function; with balance_by = "time" it times the layers as rank 0 of a run
+does (three times, and says whether they agreed) and prints the --set that makes a
+run use exactly its cut.
 Exit status 2, with one line on stderr, when the configuration cannot be run."""
 
 

@@ -120,8 +120,7 @@ class _Campaign:
                                      log=log)
             job = chaos.run_job(sc.world, argv, log=log, timeout=900, testbed=self.testbed)
             if job.rc != 0:
-                raise RuntimeError(f"the failure-free run failed (exit {job.rc}); see "
-                                   f"{log.with_suffix('.err')}:\n{job.stderr[-1500:]}")
+                raise chaos.reference_failed(job, "the failure-free run")
             self.clean_s = job.wall_s
         log = folder / f"run-{sc.index}.h5"
         argv = chaos.python_argv("stannis", config=self.config, sets=sc.sets, faults=sc.faults,

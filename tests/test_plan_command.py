@@ -107,21 +107,51 @@ def test_json_replica_bytes_sum_to_layout(capsys: pytest.CaptureFixture[str]) ->
         assert s["param_bytes"] + s["buffer_bytes"] + s["optimizer_state_bytes"] == s["replica_bytes"]
 
 
-def test_interleaved_stage_holds_several_ranges(capsys: pytest.CaptureFixture[str]) -> None:
+# Layer times by which the tests below cut (the timer replaced: a cut of real timings
+# moves with the machine's noise; tests/test_plan_matches_run.py compares with a run).
+TIMES = [0.004, 0.001, 0.001, 0.009, 0.001, 0.009, 0.001, 0.001, 0.002]
+
+
+def test_interleaved_stage_holds_several_ranges(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpipipe.pipeline import partition
+
+    monkeypatch.setattr(partition, "layer_times", lambda module, sample, repeat=5: TIMES)
     sets = ['pipeline.schedule="interleaved-1f1b"', "pipeline.stages=2", 'pipeline.balance_by="time"',
             'optim.name="adam"']
-    model, balance, _, nbytes = _expected(*sets)
+    balance = partition.cut_costs(TIMES, 2, 2, 4)
+    model, _, _, nbytes = _expected(*sets, f"pipeline.balance={balance}")
     rc, out, _ = _run([*ARGS, *[a for s in sets for a in ("--set", s)], "--json"], capsys)
     assert rc == 0
     plan = json.loads(out)
     assert plan["balance"] == balance and plan["chunks_per_stage"] == 2
-    assert plan["balance_source"] == "params-instead-of-time"
+    assert plan["balance_source"] == "time" and plan["layer_costs"] == TIMES
+    assert plan["measured_cuts"] == [balance] * 3
     covered = sorted(i for s in plan["stages"] for a, b in s["layers"] for i in range(a, b))
     assert covered == list(range(len(model)))
     assert all(len(s["layers"]) == 2 for s in plan["stages"])
     assert [s["replica_bytes"] for s in plan["stages"]] == nbytes
     rc, out, _ = _run([*ARGS, *[a for s in sets for a in ("--set", s)]], capsys)
-    assert "the run balances by measured time and may cut elsewhere" in out
+    assert (f"balance {balance} (by measured time, as the run cuts: 3 of 3 timings here cut so; "
+            f"to make the run cut so: --set 'pipeline.balance={balance}')") in out
+    assert "time (ms)" in out.splitlines()[1]
+
+
+def test_timings_that_disagree_are_named_with_the_set_that_pins_the_cut(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two cuts seen in three timings: the plan prints the one most gave, and the other."""
+    from mpipipe.pipeline import partition
+
+    swapped = [*TIMES[:2], TIMES[3], TIMES[2], *TIMES[4:]]  # layers 2 and 3 trade times
+    seen = iter([TIMES, swapped, TIMES])
+    monkeypatch.setattr(partition, "layer_times", lambda module, sample, repeat=5: next(seen))
+    first, other = partition.cut_costs(TIMES, 3), partition.cut_costs(swapped, 3)
+    assert first != other
+    rc, out, _ = _run([*ARGS, "--set", 'pipeline.balance_by="time"'], capsys)
+    assert rc == 0
+    assert (f"balance {first} (by measured time, as the run cuts: 2 of 3 timings here cut so, "
+            f"the others {other}:") in out
+    assert f"--set 'pipeline.balance={first}'" in out
 
 
 @pytest.mark.parametrize("extra", [

@@ -34,6 +34,7 @@ from mpipipe.core.launch import JobTimeout, run_mpi
 from mpipipe.core.testbed import Testbed, TestbedError, load, running
 
 __all__ = ["Scenario", "Job", "Verdict", "GOOD", "BAD", "add_chaos_arguments", "parse_budget",
+           "ReferenceFailed", "reference_failed",
            "run_job", "campaign", "read_log", "first_verdict", "rows_once", "fault_time", "main",
            "testbed_slots", "node_fault", "hit_ranks"]
 
@@ -79,6 +80,18 @@ class Job:
     def error_lines(self) -> list[str]:
         """The lines a clean end prints on stderr (``prog: error: ...``)."""
         return [ln for ln in self.stderr.splitlines() if ": error: " in ln]
+
+    def first_error(self) -> str:
+        """The one line that says why the job failed: the first ``prog: error:`` line
+        (without its prefix), else a traceback's last line, else stderr's first line."""
+        errors = self.error_lines()
+        if errors:
+            return errors[0].split(": error: ", 1)[1].strip()
+        trace = self.traceback()
+        if trace:
+            return trace
+        return next((ln.strip() for ln in self.stderr.splitlines() if ln.strip()),
+                    "it printed nothing on stderr")
 
     def traceback(self) -> str | None:
         """The first line of a Python traceback on stderr, if any rank printed one."""
@@ -145,17 +158,39 @@ def add_chaos_arguments(parser: argparse.ArgumentParser, *, runs: int) -> None:
                              "and partition")
 
 
+class ReferenceFailed(Exception):
+    """The failure-free run that every scenario is measured against did not end well.
+
+    Why an exception of its own: then the user's job itself does not run (a wrong path,
+    a bad key), so no scenario can be judged, and the campaign stops with one line
+    (:func:`main`) instead of a traceback; its message names the job's first error line
+    and the file that holds the rest."""
+
+
+def reference_failed(job: Job, what: str = "the failure-free reference run") -> ReferenceFailed:
+    """The one-line error of a failure-free run that ``job`` ended badly (its output is
+    beside the log: ``.err``)."""
+    err = job.log.with_suffix(".err")
+    if job.timed_out:
+        return ReferenceFailed(f"{what} did not end within its time limit; its output is in {err}")
+    return ReferenceFailed(f"{what} failed (exit {job.rc}): {job.first_error()}; the rest is in {err}")
+
+
 def run_job(world: int, argv: Sequence[str], *, log: Path, timeout: float,
             ulfm: bool = True, testbed: Testbed | None = None) -> Job:
     """Run ``python ARGV`` on ``world`` ranks with :func:`mpipipe.core.launch.run_mpi`
     (on the time limit every rank prints its stack, then the job's whole session is
     killed), across ``testbed``'s nodes if given; its output also goes beside the log
-    (``.out``, ``.err``)."""
+    (``.out``, ``.err``).
+
+    The job runs in this process's directory, the one the user started the campaign
+    in: relative paths of the configuration and of ``--set`` (data, checkpoints, a
+    factory's file) then resolve as they do for ``train`` started there."""
     start = time.monotonic()
     rc: int | None
     try:
         done = run_mpi(world, list(argv), ulfm=ulfm, timeout=timeout,
-                       env={"MPIPIPE_PROGRESS": "lines"}, testbed=testbed)
+                       env={"MPIPIPE_PROGRESS": "lines"}, testbed=testbed, cwd=Path.cwd())
         rc, out, err = done.returncode, done.stdout, done.stderr
     except JobTimeout as e:
         rc, out, err = None, e.stdout or "", e.stderr or ""
@@ -282,22 +317,26 @@ def rows_once(run: Any, last: int | None, nan_ok: frozenset[int] = frozenset()) 
 def main(args: argparse.Namespace, *, system: str, build: Callable[[argparse.Namespace], Any]
          ) -> int:
     """``python -m SYSTEM chaos``: build the system's campaign (``build(args)``, with
-    ``draw`` and ``execute``; a bad option is a ValueError, one line, exit 2) and run it."""
+    ``draw`` and ``execute``; a bad option is a ValueError, one line, exit 2) and run it.
+    A failure-free run that fails (:class:`ReferenceFailed`) is one line too, exit 2."""
     try:
         camp = build(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"{system} chaos: error: {e}", file=sys.stderr)
         return 2
     bed = getattr(camp, "testbed", None)
-    if bed is None:
-        return campaign(args, prog=f"python -m {system} chaos", argv=sys.argv[2:],
-                        draw=camp.draw, execute=camp.execute)
     try:
+        if bed is None:
+            return campaign(args, prog=f"python -m {system} chaos", argv=sys.argv[2:],
+                            draw=camp.draw, execute=camp.execute)
         with running(bed):
             return campaign(args, prog=f"python -m {system} chaos", argv=sys.argv[2:],
                             draw=camp.draw, execute=camp.execute)
     except TestbedError as e:
         print(f"{system} chaos: error: --testbed {args.testbed}: {e}", file=sys.stderr)
+        return 2
+    except ReferenceFailed as e:
+        print(f"{system} chaos: error: {e}", file=sys.stderr)
         return 2
 
 
@@ -396,7 +435,7 @@ def python_argv(command: str, *, config: str, sets: Sequence[str], faults: Seque
 
 
 def config_path(path: str) -> str:
-    """The configuration as an absolute path (runs start in the project root)."""
+    """The configuration as an absolute path (the campaign's own checks read it too)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"--config {path}: no such file")

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = ["split", "stage_modules", "StageChunks", "check_balance", "balance_interleaved",
-           "balance_by_time", "balance_by_params", "balance_costs", "layer_times"]
+           "balance_by_time", "balance_by_params", "balance_costs", "layer_times", "cut_costs",
+           "param_costs", "timing_sample", "automatic_balance"]
 
 
 def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
@@ -142,12 +144,22 @@ def balance_costs(costs: Sequence[float], k: int) -> list[int]:
     return bounds[::-1]
 
 
+def cut_costs(costs: Sequence[float], k: int, v: int = 1, m: int = 1) -> list[int]:
+    """The cut of per-layer ``costs`` into K stages (:func:`balance_costs`), or into
+    v x K chunks for m micro-batches when each rank runs v > 1 (:func:`balance_interleaved`)."""
+    return balance_costs(costs, k) if v == 1 else balance_interleaved(costs, k, v, m)
+
+
+def param_costs(module: nn.Sequential) -> list[float]:
+    """Each layer's parameter count plus one (so parameter-free layers count a little)."""
+    return [float(1 + sum(p.numel() for p in layer.parameters())) for layer in module]
+
+
 def balance_by_params(module: nn.Sequential, k: int, v: int = 1, m: int = 1) -> list[int]:
     """Balance by parameter count (plus one per layer so parameter-free layers count a little).
 
     With v > 1 chunks per rank (interleaved), v x K chunks for m micro-batches."""
-    costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in module]
-    return balance_costs(costs, k) if v == 1 else balance_interleaved(costs, k, v, m)
+    return cut_costs(param_costs(module), k, v, m)
 
 
 def layer_times(module: nn.Sequential, sample: torch.Tensor, repeat: int = 5) -> list[float]:
@@ -188,5 +200,45 @@ def balance_by_time(module: nn.Sequential, sample: torch.Tensor, k: int,
     """Balance by measured per-layer forward+backward time on `sample`.
 
     With v > 1 chunks per rank (interleaved), v x K chunks for m micro-batches."""
-    costs = layer_times(module, sample, repeat)
-    return balance_costs(costs, k) if v == 1 else balance_interleaved(costs, k, v, m)
+    return cut_costs(layer_times(module, sample, repeat), k, v, m)
+
+
+def timing_sample(in_shape: Sequence[int], batch_size: int, m: int) -> torch.Tensor:
+    """The input a run times its layers on: one micro-batch (``batch_size // m`` samples
+    of ``in_shape``) of seeded normal noise, the same in every process that asks."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(max(1, batch_size // m), *in_shape, generator=gen)
+
+
+def automatic_balance(cfg: Mapping[str, Any], model: nn.Sequential, in_shape: Sequence[int],
+                      costs: Sequence[float] | None = None) -> tuple[list[int], list[float]]:
+    """The cut a run makes when ``pipeline.balance`` is empty, and the per-layer costs it
+    cut: seconds of forward+backward on one micro-batch (``balance_by = "time"``,
+    :func:`layer_times` with the run's ``run.threads`` compute threads) or parameter
+    counts plus one (``"params"``). ``costs`` given: cut those instead of measuring
+    (a run's logged ``balance_costs``, to see the cut it made).
+
+    Why one function: the run (``mpipipe.pipeline.train.setup``, on rank 0, which
+    broadcasts the cut) and the dry run (``python -m mpipipe plan``, in one process)
+    both call it, so that they time the same sample with the same threads and cut with
+    the same rule; only the timings' noise can make them differ.
+    """
+    from mpipipe.pipeline.config import chunks_per_stage
+
+    p = cfg["pipeline"]
+    k, m, v = int(p["stages"]), int(p["chunks"]), chunks_per_stage(cfg)
+    if costs is None:
+        if p["balance_by"] == "params":
+            costs = param_costs(model)
+        else:
+            sample = timing_sample(in_shape, int(cfg["data"]["batch_size"]), m)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, int(cfg["run"].get("threads", 1))))
+            try:
+                costs = layer_times(model, sample)
+            finally:
+                torch.set_num_threads(threads)
+    costs = [float(c) for c in costs]
+    if len(costs) != len(model):
+        raise ValueError(f"{len(costs)} layer costs for a model of {len(model)} layers")
+    return cut_costs(costs, k, v, m), costs

@@ -122,7 +122,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     from mpipipe.core import checkpoint, data, recipe
     from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.engine import Pipeline, Route
-    from mpipipe.pipeline.partition import balance_by_params, balance_by_time, check_balance
+    from mpipipe.pipeline.partition import automatic_balance, check_balance
 
     cfg, comm = run.cfg, run.comm
     path = cfg["data"]["path"]
@@ -175,6 +175,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
                      f"{sorted(seen)}; they are not from one run")
 
     balance = list(cfg["pipeline"]["balance"])
+    costs: list[float] | None = None  # the per-layer costs of an automatic cut
     if state is not None or run.args.resume:
         saved = comm.bcast(list(state.balance) if state is not None else None, root=route.ranks[0])
         if balance and balance != saved:
@@ -185,15 +186,13 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
             run.fail(f"pipeline.stages = {k}" + (f" with {v} chunks each" if v > 1 else "")
                      + f" but model {recipe.model_name(cfg)} has only "
                      f"{len(model)} layers")
+        # The same function as `python -m mpipipe plan`, so the dry run shows this cut.
         if cfg["pipeline"]["balance_by"] == "params":
-            balance = balance_by_params(model, k, v, m)
+            balance, costs = automatic_balance(cfg, model, in_shape)
         else:
             # timings differ from rank to rank: one rank measures, all use its answer
-            if run.rank == 0:
-                gen = torch.Generator().manual_seed(0)
-                sample = torch.randn(cfg["data"]["batch_size"] // m, *in_shape, generator=gen)
-                balance = balance_by_time(model, sample, k, v=v, m=m)
-            balance = comm.bcast(balance, root=0)
+            balance, costs = comm.bcast(automatic_balance(cfg, model, in_shape)
+                                        if run.rank == 0 else None, root=0)
     try:
         balance = check_balance(model, balance)
         if len(balance) != v * k:
@@ -249,6 +248,8 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         ckpt = str(Path(log_path).with_suffix("")) + "-ckpt" if log_path else "checkpoints"
     setup_.checkpoint_dir = Path(ckpt) if ckpt else None
     run.log.set_attr("balance", balance)
+    if costs is not None:  # what the cut was made from (partition.automatic_balance cuts it again)
+        run.log.set_attr("balance_costs", costs)
     return setup_
 
 
