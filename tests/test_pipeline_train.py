@@ -54,7 +54,7 @@ BAD = [
     (3, "[plan]\n\"stage 0\" = 0\n\"stage 1\" = 1\n\"backup 1\" = 2\n", "stage 2 has no rank"),
     (3, "[plan]\n\"stage 0\" = 0\n\"stage 1\" = 0\n\"stage 2\" = 1\n", "rank 0 has two roles"),
     (2, ["--set", "pipeline.stages=2", "--set", 'data.path="/nonexistent/digits"'],
-     "has no train/ directory"),
+     "data set /nonexistent/digits does not exist"),
     (2, ["--set", "pipeline.stages=2", "--set", 'pipeline.schedule="interleaved-1f1b"',
          "--set", "pipeline.balance=[6, 6]"], "needs v >= 2 chunks per rank"),
     (2, ["--set", "pipeline.stages=2", "--set", 'pipeline.schedule="interleaved-1f1b"',

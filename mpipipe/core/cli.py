@@ -6,7 +6,8 @@ against the launcher, load and check the configuration, check the launch plan,
 check the injected faults, and open the HDF5 log on the plan's log rank (the lowest
 stage, or the host). Any error stops every rank with one line, and no log is created
 or replaced before those checks pass; an existing log is refused unless the user
-says ``--overwrite`` (or ``--resume``, which continues it).
+says ``--overwrite`` (or ``--resume``, which continues it), or it is the log of a run
+that failed before its first step (:func:`failed_before_first_step`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import faulthandler
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -159,8 +161,43 @@ def _log_mode(path: Path, args: argparse.Namespace) -> tuple[str, str | None]:
         return "w", None
     if args.resume:
         return "a", None
+    if failed_before_first_step(path) is not None:
+        return "w", None
     return "x", (f"the run log {path} exists; pass --overwrite to replace it, or pick "
                  "another --log")
+
+
+def failed_before_first_step(path: Path) -> str | None:
+    """The status of the run log at ``path`` if its run failed before its first step, else None.
+
+    Such a log is marked by what :meth:`Run.fail` leaves: status ``failed: <error>``, and
+    not one row of steps, evaluations or per-rank figures, nor any event after step 0
+    (``cost_model`` and ``benchmark`` are written at step 0, before training). It records
+    no training, only the configuration and the error the terminal showed; a rerun after
+    the fix (a data path, a typo) may replace it without ``--overwrite``. Why keep it
+    rather than leave no log: ``mpipipe report`` can still say why that run stopped, and
+    a failing run deletes nothing (a delete on an error path is where a bug would cost a
+    user a real log); the file is judged only when a rerun wants its name. Anything else
+    (a log with a row, a run still ``running`` or killed, a file that is not a run log or
+    cannot be read) gives None: a real run's log is never replaced without ``--overwrite``.
+    """
+    from mpipipe.core.runlog import FORMAT, open_for_reading
+
+    try:
+        with open_for_reading(path) as f:
+            status = f.attrs.get("status", "")
+            status = status.decode() if isinstance(status, bytes) else str(status)
+            if f.attrs.get("format") != FORMAT or not status.startswith("failed"):
+                return None
+            tables = [f["steps"], f["eval"], *f["ranks"].values()]
+            if any(len(ds) for group in tables for ds in group.values()):
+                return None
+            events = f["events"]
+            if "step" in events and (events["step"][()] > 0).any():
+                return None
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    return status
 
 
 def start_run(
@@ -235,6 +272,9 @@ def start_run(
     if rank == writer:
         path = Path(args.log) if args.log else own_log(args.resume) or default_log_path(system)
         mode, error = _log_mode(path, args)
+        if mode == "w" and not args.overwrite:
+            print(f"{prog}: note: replacing {path}, the log of a run that failed before its "
+                  f"first step", file=sys.stderr, flush=True)
     error = comm.bcast(error, root=writer)
     if error:
         fail_fast(comm, error, prog, rank)

@@ -167,10 +167,18 @@ def verify_split(path: str | Path, split: str, num_classes: int) -> None:
 
 
 def _open(path: str | Path, split: str) -> native.Dataset:
+    """Open one split of the data set at ``path``.
+
+    Raises:
+        DataError: the folder, its ``split``/ directory or its manifest is missing (one
+            line naming which, and the converter that fits what is there:
+            :func:`native.advice.missing_data`), or the split is not an image data set.
+    """
     directory = Path(path) / split
-    if not directory.is_dir():
-        raise DataError(f"data set {Path(path)} has no {split}/ directory; make one with "
-                        f"`python -m native.convert digits {path}`")
+    if not (directory / native.writer.MANIFEST).is_file():
+        from native.advice import missing_data
+
+        raise DataError(missing_data(path, split))
     try:
         dataset = native.open_dataset(directory)
     except native.ShardError as e:
