@@ -40,13 +40,14 @@ from mpipipe.core.logplot import (
     roles,
     save,
 )
-from mpipipe.core.logschema import EventKind
+from mpipipe.core.logschema import RECIPE, EventKind
 from mpipipe.core.logschema import required as required_columns
 from mpipipe.core.progress import THROUGHPUT
 from mpipipe.core.progress import throughput as _throughput
 from mpipipe.core.runlog import LogError, RunData, open_for_reading, open_log
 
-__all__ = ["load_run", "summarize", "compare", "plot_runs", "plot_tradeoff", "add_parser", "main"]
+__all__ = ["load_run", "summarize", "recipe_lines", "compare", "plot_runs", "plot_tradeoff", "add_parser",
+           "main"]
 
 PROG = "mpipipe report"
 
@@ -288,6 +289,87 @@ def classes_line(names: Sequence[str]) -> str:
     return f"classes: {', '.join(names[:MAX_CLASSES_SHOWN])}, ... ({len(names)} in all)"
 
 
+# How a part of the recipe came to the run (its "source", mpipipe.core.logschema.RECIPE).
+_SOURCES = {"object": "given to train()", "builder": "built by the function given to train()",
+            "factory": "model.factory", "shipped": "shipped", "config": "from the configuration"}
+
+
+def _setting(key: str, value: Any) -> str | None:
+    """``key=value`` of one hyper-parameter, or None for an unset one (None, false)."""
+    if value is None or value is False:
+        return None
+
+    def short(v: Any) -> Any:  # 6 significant digits: 0.0007999999999999986 is 0.0008
+        if isinstance(v, float):
+            return float(f"{v:.6g}")
+        return [short(x) for x in v] if isinstance(v, list) else v
+
+    text = value if isinstance(value, str) else json.dumps(short(value), separators=(",", ":"))
+    return f"{key}={text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _settings(values: Any, skip: Sequence[str] = ()) -> list[str]:
+    """The ``key=value`` words of a mapping (private keys, lists of objects and ``skip`` left out)."""
+    if not isinstance(values, dict):
+        return []
+    words = []
+    for key, value in values.items():
+        if key.startswith("_") or key in skip or (isinstance(value, list) and any(isinstance(v, dict) for v in value)):
+            continue
+        word = _setting(key, value)
+        if word:
+            words.append(word)
+    return words
+
+
+def recipe_lines(run: RunData) -> list[str]:
+    """The recipe that ran, one part a line (wrapped): the log's ``recipe`` attribute, read
+    from the objects themselves (docs/hdf5-log.md); nothing for a log without one (a run
+    that failed before its model was built, or an older writer's)."""
+    if not run.attrs.get("recipe"):
+        return []
+    try:
+        record = json.loads(str(run.attrs["recipe"]))
+    except json.JSONDecodeError:
+        return ["   recipe: unreadable (root attribute 'recipe' is not JSON)"]
+    if not isinstance(record, dict) or not record:
+        return []
+    lines = ["   recipe (what ran):"]
+    for part in RECIPE:
+        item = record.get(part)
+        if not isinstance(item, dict):
+            continue
+        where = f" ({item['module']})" if item.get("module") else ""
+        source = _SOURCES.get(str(item.get("source")), str(item.get("source", "")))
+        if part == "model" and item.get("source") == "shipped":
+            source = f"shipped {item.get('name', '?')!r}"
+        elif part == "model" and item.get("source") == "factory":
+            source = f"model.factory = {item.get('factory', '?')!r}"
+        head = f"{item.get('class', '')}{where}".strip()
+        words = [f"{head}, {source}:" if head else f"{source}:"]
+        if part == "model":
+            words += [f"{item.get('parameters', 0):,} parameters", f"digest {item.get('digest', '?')}"]
+            words += _settings(item.get("kwargs"))
+        elif part == "optimizer":
+            groups = item.get("groups") or []
+            for i, group in enumerate(groups):
+                words += ([f"group {i}:"] if len(groups) > 1 else []) + _settings(group)
+            words += [f"error: {item['error']}"] if item.get("error") else []
+        elif part == "schedule":
+            if "class" in item:
+                words += _settings(item.get("arguments"), skip=("base_lrs",)) + _settings(item.get("group"))
+                if isinstance(item.get("first_step"), dict):
+                    words += ["step 1:", *_settings(item["first_step"])]
+            else:
+                words = [f"{item.get('rule', '?')} (no scheduler), {source}:",
+                         *_settings({k: v for k, v in item.items() if k not in ("rule", "source")})]
+        else:
+            words += _settings(item.get("arguments"))
+        body = _wrap(words, " " * 16)
+        lines += [f"     {part:<10} {body[0].lstrip()}", *body[1:]]
+    return lines
+
+
 def _wrap(words: list[str], indent: str, width: int = 100) -> list[str]:
     lines, line = [], indent
     for w in words:
@@ -342,6 +424,7 @@ def summarize(run: RunData) -> str:
     if cfg:
         lines.append("   config:")
         lines += _wrap(cfg, "     ")
+    lines += recipe_lines(run)
     names = dataset_classes(run)
     if names:
         lines.append("   " + classes_line(names))

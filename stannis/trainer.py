@@ -20,7 +20,7 @@ from mpipipe.core.cli import Run, start_run
 from mpipipe.core.data import DataFault, label_range_ok, test_batches, transforms
 from mpipipe.core.faults import FaultPlan, parse_all
 from mpipipe.core.logschema import EventKind
-from mpipipe.core.lr import decay, set_lr
+from mpipipe.core.lr import decay
 from mpipipe.core.runlog import LogError
 
 from .allreduce import BufferAverage, WeightedAllreduce, broadcast_state
@@ -151,6 +151,11 @@ class Trainer:
             self.schedule = recipe.Schedule(cfg, int(cfg["run"]["steps"]))
         except recipe.RecipeError as e:
             run.fail(e)
+        if run.log.active:  # what runs, read from the objects (docs/hdf5-log.md), as built
+            o = cfg["optim"]
+            self.log.set_attr("recipe", recipe.describe(  # through the writer thread
+                cfg, self.model, self.schedule, self.loss_fn, optimizer=self.optimizer,
+                rate={"base_batch": o["base_batch"], "warmup_steps": o["warmup_steps"]}))
         averaged = None if cfg["stannis"]["local_buffers"] else BufferAverage(self.comm, self.model)
         self.buffers = averaged if averaged is not None and averaged.nbytes else None
         self.reducer = WeightedAllreduce(self.comm, self.model.parameters(),
@@ -638,8 +643,9 @@ class Trainer:
         if self.schedule.scheduled:  # the user's scheduler (config or script) owns the rate
             self.schedule.apply(self.optimizer, index)
         else:
-            lr = scaled_lr(o["lr"], o["base_batch"], int(total), index, o["warmup_steps"])
-            set_lr(self.optimizer, lr * decay(index, steps, o["schedule"]))
+            # optim.lr, or a given optimizer's own rate, scaled (Schedule.base_rate)
+            self.schedule.set_rates(self.optimizer, lambda base: scaled_lr(
+                base, o["base_batch"], int(total), index, o["warmup_steps"]) * decay(index, steps, o["schedule"]))
         self.optimizer.step()
         joules = self.meter.stop(compute_s)
         sent, recv = self.comm.take()  # this step's gradients and figures, and any plan

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mpipipe.core import recipe
 from mpipipe.core.config import ConfigError, load_config
 from mpipipe.core.faults import FaultError, check_nodes, check_reachable, parse_all
 from mpipipe.core.progress import Progress, startup_line
@@ -292,7 +293,9 @@ def start_run(
     if rank == writer:
         assert path is not None and mode is not None
         try:
-            log = RunLog(path, system=system, config=cfg, comm_size=size,
+            # The configuration as it is used: keys a script's object replaced are left
+            # out (recipe.stored_config); the setup records what runs as `recipe`.
+            log = RunLog(path, system=system, config=recipe.stored_config(cfg), comm_size=size,
                          emulation=emulation(cfg, plan) if emulation else None,
                          attrs={"plan": plan.describe(), "hosts": hosts}, mode=mode)
         except (OSError, LogError) as e:

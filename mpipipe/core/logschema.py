@@ -13,6 +13,10 @@ The on-disk format is the one FORMAT_VERSION 1 has always had: :class:`EventKind
 ``str`` enum whose values are the strings in existing files (``EventKind.TAKEOVER ==
 "takeover"``), so a writer may pass either, and a reader compares either.
 
+The ``recipe`` root attribute (what trained: model, optimizer, schedule, loss) is declared
+here too (:data:`RECIPE`): :func:`mpipipe.core.recipe.describe` writes it and checks it
+with :func:`check_recipe`, and ``mpipipe report`` reads it by these names.
+
 Adding a column: add it to the group's tuple here (name, dtype, unit, meaning, who
 writes it), describe it in docs/hdf5-log.md, and write it. Adding an event kind: add a
 member to :class:`EventKind` and a row to the events table of docs/hdf5-log.md.
@@ -21,7 +25,7 @@ member to :class:`EventKind` and a row to the events table of docs/hdf5-log.md.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +33,8 @@ import h5py
 import numpy as np
 
 __all__ = ["Column", "EventKind", "SchemaError", "STEP_COLUMNS", "EVAL_COLUMNS", "RANK_COLUMNS",
-           "EVENT_COLUMNS", "GROUPS", "STR", "dtypes", "event_kind", "check_columns", "required", "markdown"]
+           "EVENT_COLUMNS", "GROUPS", "STR", "dtypes", "event_kind", "check_columns", "required", "markdown",
+           "Field", "RECIPE", "check_recipe"]
 
 #: The dtype of a variable-length UTF-8 string column.
 STR = h5py.string_dtype("utf-8")
@@ -195,6 +200,89 @@ def check_columns(group: str, names: Iterable[str], where: str = "") -> None:
             f"and docs/hdf5-log.md)")
 
 
+@dataclass(frozen=True)
+class Field:
+    """One key of a part of the ``recipe`` root attribute (a JSON object of objects)."""
+
+    name: str
+    meaning: str
+
+
+#: The ``recipe`` root attribute: what trained, read from the objects that ran (the model,
+#: the optimizer, the schedule, the loss), whether they came from the configuration or
+#: were given to ``mpipipe.train`` / ``stannis.train``. Why beside ``config``: a script's
+#: objects replace configuration keys, and the configuration alone then names defaults
+#: that never ran (issue 37). :func:`mpipipe.core.recipe.describe` writes it, and checks
+#: it here; ``mpipipe report`` reads it by these names. A part holds only the keys that
+#: apply to it (a shipped model has a ``name``, a factory model a ``factory``).
+RECIPE: dict[str, tuple[Field, ...]] = {
+    "model": (
+        Field("source", "`object` (an nn.Module given to train()), `builder` (a function given to "
+                        "train() that returns one), `factory` (model.factory) or `shipped` (model.name)"),
+        Field("class", "the class of the module that was built (before it was cut into a chain)"),
+        Field("module", "where that class is defined: its import path, or the file it was loaded from"),
+        Field("name", "`shipped` only: the model's name (lenet, vgg, resnet)"),
+        Field("factory", "`factory` only: model.factory as the run resolved it"),
+        Field("kwargs", "`factory` only: model.kwargs, the factory's keyword arguments"),
+        Field("parameters", "the number of parameters (elements of the distinct parameter tensors)"),
+        Field("digest", "`crc32:` and 8 hex digits: mpipipe.core.recipe.checksum of the model's "
+                        "state_dict as built (parameters and buffers, in the model's own order), "
+                        "before training or any checkpoint"),
+    ),
+    "optimizer": (
+        Field("source", "`object` (a function given to train()) or `config` (optim.name)"),
+        Field("class", "the optimizer's class"),
+        Field("module", "where that class is defined"),
+        Field("groups", "each param group's hyper-parameters as built: everything but `params` "
+                        "(lr, betas, momentum, weight_decay, ...)"),
+        Field("error", "why the optimizer could not be described (the run itself reports any failure)"),
+    ),
+    "schedule": (
+        Field("source", "`object` (a scheduler function given to train()), `config` "
+                        "(optim.scheduler, or optim.schedule when no scheduler is set)"),
+        Field("class", "the scheduler's class (absent without a scheduler)"),
+        Field("module", "where that class is defined"),
+        Field("arguments", "the scheduler's own settings, read from the object as built: its "
+                           "attributes less the optimizer and the step counters"),
+        Field("group", "what the scheduler put in the optimizer's first param group "
+                       "(OneCycleLR: max_lr, min_lr, initial_lr, ...)"),
+        Field("first_step", "the hyper-parameters the scheduler sets for the first step"),
+        Field("rule", "without a scheduler: optim.schedule (`constant` or `cosine`) on each "
+                      "group's base rate"),
+        Field("base", "without a scheduler: where the base rate comes from, `optim.lr` or "
+                      "`optimizer` (the rate the given optimizer was built with)"),
+        Field("lr", "without a scheduler, with base `optim.lr`: that rate"),
+        Field("base_batch", "Stannis without a scheduler: the rate is scaled by global batch / base_batch"),
+        Field("warmup_steps", "Stannis without a scheduler: the steps of linear warm-up to the scaled rate"),
+    ),
+    "loss": (
+        Field("source", "`object` (given to train()) or `config` (model.loss)"),
+        Field("class", "the loss's class, or the function's qualified name"),
+        Field("module", "where it is defined"),
+        Field("arguments", "a loss module's settings (reduction, label_smoothing, ...), or the "
+                           "keywords a function is called with"),
+    ),
+}
+
+
+def check_recipe(record: Mapping[str, Any]) -> None:
+    """Refuse a ``recipe`` with a part or key :data:`RECIPE` does not declare.
+
+    Raises:
+        SchemaError: naming the unknown part or key and the declared ones.
+    """
+    for part, fields in record.items():
+        if part not in RECIPE:
+            raise SchemaError(f"unknown recipe part {part!r}: the schema has {', '.join(RECIPE)} "
+                              f"(add it to RECIPE in mpipipe/core/logschema.py and docs/hdf5-log.md)")
+        known = {f.name for f in RECIPE[part]}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise SchemaError(f"unknown key(s) {', '.join(map(repr, unknown))} in recipe part "
+                              f"{part!r}: the schema has {', '.join(sorted(known))} (add them to "
+                              f"RECIPE in mpipipe/core/logschema.py and docs/hdf5-log.md)")
+
+
 def _type_name(dtype: Any) -> str:
     return "str" if dtype is STR else np.dtype(dtype).name
 
@@ -213,6 +301,8 @@ def markdown() -> str:
         out += [f"| `{c.name}` | {_type_name(c.dtype)} | {c.unit or '-'} | {c.meaning} | "
                 f"{c.written_by} |" for c in columns]
         out.append("")
+    out += ["`recipe` (root attribute, JSON):", "", "| part | key | meaning |", "|---|---|---|"]
+    out += [f"| {part} | `{f.name}` | {f.meaning} |" for part, fields in RECIPE.items() for f in fields]
     return "\n".join(out).rstrip() + "\n"
 
 

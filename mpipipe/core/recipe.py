@@ -22,13 +22,14 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import math
 import sys
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpipipe.core.lr import rate_at, set_lr
+from mpipipe.core.lr import decay
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RecipeError", "give", "given", "MODEL_DEFAULTS", "OPTIM_DEFAULTS", "resolve", "anchor",
            "build_model", "as_chain", "make_optimizer", "Schedule", "make_loss", "checksum",
-           "describe_recipe", "model_name", "source_names", "chain_keys"]
+           "describe_recipe", "describe", "stored_config", "unused_keys", "model_name",
+           "source_names", "chain_keys"]
 
 MODEL_DEFAULTS: dict[str, Any] = {
     "name": "lenet",  # a shipped model (lenet | vgg | resnet), used when factory is empty
@@ -206,22 +208,28 @@ def _build(cfg: Mapping[str, Any], in_shape: Sequence[int], base: Path | None) -
 
     m = cfg["model"]
     _NAMES.clear()
+    _MADE.clear()
     if given("model") is not None:
         model = given("model")
+        source = "object"
         if not isinstance(model, nn.Module):
+            source = "builder"
             model = _call(model, "the model builder given to train()")
             if not isinstance(model, nn.Module):
                 raise RecipeError(f"the model builder given to train() returned a "
                                   f"{type(model).__name__}, not an nn.Module")
+        _MADE.update(source=source, module=model)
         return as_chain(model, in_shape)
     if not m.get("factory"):
         if m.get("kwargs"):
             raise RecipeError(f"model.kwargs = {m['kwargs']} takes effect only with "
                               f"model.factory; the shipped {m['name']!r} takes none")
         try:
-            return models.build_model(m["name"], m["num_classes"], in_shape)
+            chain = models.build_model(m["name"], m["num_classes"], in_shape)
         except ValueError as e:
             raise RecipeError(str(e)) from None
+        _MADE.update(source="shipped", module=chain, name=m["name"])
+        return chain
     fn = resolve(m["factory"], "model.factory", base)
     if not callable(fn):
         raise RecipeError(f"model.factory = {m['factory']!r} is a {type(fn).__name__}, "
@@ -230,6 +238,7 @@ def _build(cfg: Mapping[str, Any], in_shape: Sequence[int], base: Path | None) -
     if not isinstance(model, nn.Module):
         raise RecipeError(f"model.factory {m['factory']!r} returned a {type(model).__name__}, "
                           f"not an nn.Module")
+    _MADE.update(source="factory", module=model, factory=m["factory"], kwargs=dict(m.get("kwargs") or {}))
     return as_chain(model, in_shape)
 
 
@@ -257,6 +266,12 @@ def as_chain(model: nn.Module, in_shape: Sequence[int]) -> nn.Sequential:
 
 
 _NAMES: dict[str, str] = {}
+
+# How the last model of this process was made (for describe): its source (object |
+# builder | factory | shipped), the nn.Module the user's code returned, before it was cut
+# into a chain (its class is the user's, its state_dict in the user's order), and the
+# configuration's name, factory and kwargs where they made it.
+_MADE: dict[str, Any] = {}
 
 
 def source_names() -> dict[str, str]:
@@ -343,9 +358,13 @@ class Schedule:
         self._optim, self._total = dict(o), int(total)
         self._values: list[list[dict[str, Any]]] = []
         self._sched: Any = None
+        # A given optimizer brings its own rate: optim.lr does not replace it.
+        self._own_rate = given("optimizer") is not None
+        self._settings: dict[str, Any] = {}
         if given("scheduler") is not None:
             self._opt = make_optimizer(cfg, [torch.zeros(1, requires_grad=True)], base)
             self._sched = _call(given("scheduler"), "the scheduler given to train()", self._opt)
+            self._settings = _scheduler_settings(self._sched, "object")
             return
         if not o.get("scheduler"):
             if o.get("scheduler_kwargs"):
@@ -371,6 +390,7 @@ class Schedule:
         opt = make_optimizer(cfg, [dummy], base)
         self._opt = opt
         self._sched = _call(cls, f"scheduler {cls.__name__}", opt, **kwargs)
+        self._settings = _scheduler_settings(self._sched, "config")
 
     @property
     def scheduled(self) -> bool:
@@ -399,11 +419,42 @@ class Schedule:
         if optimizer is None:
             return
         if self._sched is None:
-            set_lr(optimizer, rate_at(self._optim, step, self._total))
+            factor = decay(step, self._total, self._optim.get("schedule", "constant"))
+            self.set_rates(optimizer, lambda base: base * factor)
             return
         values = self.values(step)[0]  # one group is scheduled (a stage's optimizer has one)
         for group in optimizer.param_groups:
             group.update(values)
+
+    def base_rate(self, group: dict[str, Any]) -> float:
+        """The rate a group's schedule starts from: ``optim.lr``, or, for an optimizer a
+        script gave, the rate that group was built with (kept in the group as
+        ``initial_lr``, torch's own key, so that a checkpoint carries it: a resumed run
+        must not take a scheduled rate for the base)."""
+        if self._own_rate:
+            return float(group.setdefault("initial_lr", group["lr"]))
+        return float(self._optim["lr"])
+
+    def set_rates(self, optimizer: Any, rate: Callable[[float], float]) -> None:
+        """Set each group's rate to ``rate(base)`` (:meth:`base_rate`): the one place a
+        rule without a scheduler (constant, cosine, Stannis's scaling) meets the groups."""
+        for group in getattr(optimizer, "param_groups", ()):
+            group["lr"] = rate(self.base_rate(group))
+
+    def describe(self) -> dict[str, Any]:
+        """The ``schedule`` part of the recipe that runs (mpipipe.core.logschema.RECIPE)."""
+        if self._sched is None:
+            part: dict[str, Any] = {"source": "config", "rule": self._optim.get("schedule", "constant"),
+                                    "base": "optimizer" if self._own_rate else "optim.lr"}
+            if not self._own_rate:
+                part["lr"] = float(self._optim["lr"])
+            return part
+        part = dict(self._settings)
+        try:
+            part["first_step"] = _plain(self.values(0)[0])
+        except RecipeError:  # the run reports it at its first step
+            pass
+        return part
 
 
 def make_loss(cfg: Mapping[str, Any], base: Path | None = None) -> Callable[..., Any]:
@@ -450,8 +501,217 @@ def model_name(cfg: Mapping[str, Any]) -> str:
 
 
 def describe_recipe(cfg: Mapping[str, Any]) -> str:
-    """One phrase naming the model, optimizer, schedule and loss (for the start-up line)."""
+    """One phrase naming the model, optimizer, schedule and loss (for the start-up line);
+    "yours" where a script's object replaced the configuration's name."""
     m, o = cfg["model"], cfg["optim"]
-    model = model_name(cfg)
-    sched = o.get("scheduler") or o.get("schedule", "constant")
-    return f"model {model}, optimizer {o['name']}, schedule {sched}, loss {m.get('loss', 'cross_entropy')}"
+    optimizer = "yours" if given("optimizer") is not None else o["name"]
+    sched = "yours" if given("scheduler") is not None else o.get("scheduler") or o.get("schedule", "constant")
+    loss = "yours" if given("loss") is not None else m.get("loss", "cross_entropy")
+    return f"model {model_name(cfg)}, optimizer {optimizer}, schedule {sched}, loss {loss}"
+
+
+# ---------------------------------------------------------------- what the log records
+
+# The configuration keys a script's object replaces: the run never reads them.
+_REPLACED: dict[str, tuple[tuple[str, str], ...]] = {
+    "model": (("model", "name"), ("model", "factory"), ("model", "kwargs")),
+    "loss": (("model", "loss"), ("model", "loss_kwargs")),
+    "optimizer": (("optim", "name"), ("optim", "lr"), ("optim", "momentum"), ("optim", "weight_decay"),
+                  ("optim", "kwargs")),
+    # A scheduler sets the rate: optim.schedule, and Stannis's scaled rate (stannis.config), go unread.
+    "scheduler": (("optim", "scheduler"), ("optim", "scheduler_kwargs"), ("optim", "schedule"),
+                  ("optim", "base_batch"), ("optim", "warmup_steps")),
+}
+
+
+def unused_keys(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The ``(section, key)`` pairs of ``cfg``'s ``[model]`` and ``[optim]`` that the recipe
+    which runs does not read: those a script's object replaced (:func:`give`),
+    ``model.name`` beside a factory, a shipped model's ``factory`` and ``kwargs``, a
+    shortcut optimizer's keys it does not take (``sgd``: kwargs; ``adam``: momentum and
+    kwargs; a class: momentum and weight_decay), and the rate keys a scheduler overrides.
+
+    Why: the log stores the configuration, and a key stored there reads as used; a run
+    with the user's model and AdamW stored ``model.name = "lenet"`` and ``optim.name =
+    "sgd"`` (issue 37).
+    """
+    m, o = cfg.get("model"), cfg.get("optim")
+    out: list[tuple[str, str]] = []
+    if isinstance(m, Mapping):
+        if given("model") is not None:
+            out += _REPLACED["model"]
+        elif m.get("factory"):
+            out.append(("model", "name"))
+        else:
+            out += [("model", "factory"), ("model", "kwargs")]
+        if given("loss") is not None:
+            out += _REPLACED["loss"]
+    if isinstance(o, Mapping):
+        if given("optimizer") is not None:
+            out += _REPLACED["optimizer"]
+        elif o.get("name") == "sgd":
+            out.append(("optim", "kwargs"))
+        elif o.get("name") == "adam":
+            out += [("optim", "momentum"), ("optim", "kwargs")]
+        else:
+            out += [("optim", "momentum"), ("optim", "weight_decay")]
+        if given("scheduler") is not None:
+            out += _REPLACED["scheduler"]
+        elif o.get("scheduler"):
+            out += _REPLACED["scheduler"][2:]  # a configured one: the rate keys
+    seen: list[tuple[str, str]] = []
+    for section, key in out:
+        if key in cfg[section] and (section, key) not in seen:
+            seen.append((section, key))
+    return seen
+
+
+def stored_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` as the run log stores it: without :func:`unused_keys` (absent, not empty:
+    an absent key was replaced or does not apply; the ``recipe`` attribute says what ran)."""
+    out = {section: dict(values) if isinstance(values, Mapping) else values
+           for section, values in cfg.items()}
+    for section, key in unused_keys(cfg):
+        del out[section][key]
+    return out
+
+
+def describe(cfg: Mapping[str, Any], model: nn.Module, schedule: Schedule, loss: Any, *,
+             optimizer: Any = None, rate: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The recipe that runs, as the log's ``recipe`` attribute records it (its keys:
+    :data:`mpipipe.core.logschema.RECIPE`): read from the objects themselves, whether the
+    configuration named them or a script gave them.
+
+    Call it on the log's writer right after :func:`build_model`, before any step or
+    checkpoint: the digest is of the model as built. ``model`` is the chain built;
+    ``optimizer`` the one over the whole model where the caller holds one (Stannis),
+    else one is made over ``model``'s parameters (a pipeline stage's holds only its
+    own); ``rate`` the system's own keys of a rate without a scheduler (Stannis's
+    base_batch and warmup_steps). Never raises for the user's objects (only the writer
+    calls it, and one rank must not fail alone): what cannot be read is left out, or
+    named under ``error``.
+
+    Raises:
+        mpipipe.core.logschema.SchemaError: a part or key the schema does not declare.
+    """
+    from mpipipe.core.logschema import check_recipe
+
+    record = {"model": _model_part(model), "optimizer": _optimizer_part(cfg, model, optimizer),
+              "schedule": schedule.describe(), "loss": _loss_part(loss)}
+    if rate and "rule" in record["schedule"]:
+        record["schedule"].update({k: _plain(v) for k, v in rate.items()})
+    check_recipe(record)
+    return record
+
+
+def _where(obj: Any) -> tuple[str, str]:
+    """(qualified name, where it is defined) of a class or function: its module's import
+    path, or the file it came from where that has no importable name (a factory given as
+    ``file.py:name``, a script's ``__main__``)."""
+    qual = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    name = getattr(obj, "__module__", None) or ""
+    if name == "__main__" or name.startswith("_mpipipe_user_"):
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            name = str(Path(file).resolve())
+    return qual, name
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as JSON can hold it: numbers, strings, lists and objects as they are, a
+    tensor as its number (or its shape), a class or function as its qualified name, a
+    scheduler as its class and settings, anything else as its repr."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if depth > 4:
+        return repr(value)[:120]
+    if isinstance(value, list | tuple):
+        return [_plain(v, depth + 1) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if hasattr(value, "item") and hasattr(value, "shape"):  # a tensor or numpy value
+        try:
+            return _plain(value.item(), depth + 1)
+        except (ValueError, RuntimeError):  # more than one element
+            return f"{type(value).__name__}{list(value.shape)}"
+    if hasattr(value, "optimizer") and hasattr(value, "last_epoch"):  # a nested scheduler
+        return _scheduler_settings(value, "")
+    if inspect.isclass(value) or inspect.isfunction(value) or inspect.ismethod(value):
+        qual, where = _where(value)
+        return f"{where}.{qual}" if where else qual
+    return repr(value)[:200]
+
+
+# A scheduler's attributes that are its state or its optimizer, not its settings.
+_SCHEDULER_STATE = frozenset({"optimizer", "last_epoch", "_step_count", "_is_initial",
+                              "_get_lr_called_within_step", "_last_lr", "verbose", "_initial_step"})
+
+
+def _scheduler_settings(sched: Any, source: str) -> dict[str, Any]:
+    """A scheduler as built: its class, its settings (its attributes less its state), and
+    what it put in the optimizer's first param group (OneCycleLR keeps max_lr there).
+    Read before it steps: the values of step 1 are asked for separately."""
+    qual, where = _where(type(sched))
+    part: dict[str, Any] = {"source": source} if source else {}
+    part.update({"class": qual, "module": where})
+    part["arguments"] = {k: _plain(v) for k, v in vars(sched).items() if k not in _SCHEDULER_STATE}
+    opt = getattr(sched, "optimizer", None)
+    groups, defaults = getattr(opt, "param_groups", None), getattr(opt, "defaults", {})
+    if groups:
+        part["group"] = {k: _plain(v) for k, v in groups[0].items() if k != "params" and k not in defaults}
+    if not source:
+        part.pop("source", None)
+    return part
+
+
+def _model_part(chain: nn.Module) -> dict[str, Any]:
+    """The model as :func:`build_model` made it last (``_MADE``), or ``chain`` itself."""
+    module = _MADE.get("module", chain)
+    qual, where = _where(type(module))
+    part: dict[str, Any] = {"source": _MADE.get("source", "object"), "class": qual, "module": where}
+    for key in ("name", "factory", "kwargs"):
+        if key in _MADE:
+            part[key] = _plain(_MADE[key])
+    part["parameters"] = int(sum(p.numel() for p in module.parameters()))
+    part["digest"] = f"crc32:{checksum(module):08x}"
+    return part
+
+
+def _optimizer_part(cfg: Mapping[str, Any], model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    part: dict[str, Any] = {"source": "object" if given("optimizer") is not None else "config"}
+    try:
+        opt = optimizer if optimizer is not None else make_optimizer(cfg, model.parameters())
+    except Exception as e:  # noqa: BLE001 - the stages build theirs and say what is wrong
+        part["error"] = f"{type(e).__name__}: {e}"
+        return part
+    if opt is None:
+        part["error"] = "the model has no parameters"
+        return part
+    qual, where = _where(type(opt))
+    part.update({"class": qual, "module": where})
+    part["groups"] = [{k: _plain(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return part
+
+
+def _loss_part(loss: Any) -> dict[str, Any]:
+    """A loss module (its class and settings), a function, or a ``functools.partial`` of one
+    (its function and keywords)."""
+    from torch import nn
+
+    part: dict[str, Any] = {"source": "object" if given("loss") is not None else "config"}
+    target, arguments = loss, None
+    if isinstance(loss, functools.partial):
+        target, arguments = loss.func, {k: _plain(v) for k, v in loss.keywords.items()}
+    elif isinstance(loss, nn.Module):
+        arguments = {k: _plain(v) for k, v in vars(loss).items() if not k.startswith("_") and k != "training"}
+        arguments.update({k: _plain(v) for k, v in loss.named_buffers() if v is not None})
+    elif not (inspect.isfunction(target) or inspect.isbuiltin(target)):
+        arguments = {k: _plain(v) for k, v in getattr(loss, "__dict__", {}).items() if not k.startswith("_")}
+    qual, where = _where(target if inspect.isfunction(target) or inspect.isbuiltin(target)
+                         or inspect.isclass(target) else type(target))
+    part.update({"class": qual, "module": where})
+    if arguments:
+        part["arguments"] = arguments
+    return part

@@ -149,6 +149,8 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         recipe.make_optimizer(cfg, [torch.zeros(1, requires_grad=True)])  # fails here, not later
     except recipe.RecipeError as e:
         run.fail(e)
+    if run.log.active:  # what runs, read from the objects (docs/hdf5-log.md), as built
+        run.log.set_attr("recipe", recipe.describe(cfg, model, schedule, loss_fn))
     if cfg["pipeline"]["deferred_batch_norm"]:
         from mpipipe.pipeline.deferred_bn import defer_batch_norm
 
