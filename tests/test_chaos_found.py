@@ -150,3 +150,45 @@ def test_neighbour_mode_does_not_step_back_behind_a_stage_a_step_ahead(runs):
                           "inject:stall:stage=0:step=4:micro=3:seconds=1")
     run = _completed_once(result, log)
     assert [e["detail"]["stage"] for e in run.events_of("takeover")] == [0]
+
+
+@pytest.mark.timeout(600)
+def test_a_healthy_stage_is_not_blamed_after_the_writer_is_killed(runs):
+    # Issue 37: stage 2's backup takes over, then stage 0 (the log's writer) is killed
+    # inside a step. Stage 1 became the writer and waited 0.5 s, inside its next step,
+    # for figures of a step the last stage (a step ahead) no longer kept; stage 2 found
+    # it late, it had half a median step to answer, and with no backup the run ended
+    # ("stage 1 stopped responding"). Now every sender keeps the steps the writer rebuilds,
+    # and a stage with no holder left gets twice the grace before it is left out.
+    result, log, ckpt = runs("writer-killed-after-takeover", 5, "resilience.backups={0=1,2=1}",
+                             "resilience.replicate_every=3", "resilience.deadline_factor=3",
+                             "inject:kill:stage=2:step=12", "inject:kill:stage=0:step=24:micro=3")
+    run = _completed_once(result, log)
+    assert sorted(e["detail"]["stage"] for e in run.events_of("takeover")) == [0, 2]
+    assert not run.events_of("stage_lost")
+    _equals_failure_free(runs, run, ckpt)
+
+
+@pytest.mark.timeout(600)
+def test_a_stage_behind_a_delayed_one_is_not_blamed(runs):
+    # Issue 37 (a 36-scenario campaign): stage 0 delayed now and then, stage 1 killed;
+    # stage 3 found healthy stage 2 late while it was still busy with its late input,
+    # gave it half a median step to answer, and with no backup the run ended. Now quick
+    # patience is only for a lone late stage; one behind (or before) another delayed,
+    # silent or dead stage gets the full grace, and one with no holder twice that.
+    result, log, ckpt = runs("delayed-upstream", 9, "pipeline.stages=4",
+                             "resilience.backups={0=2,1=2,3=1}", "resilience.replicate_every=1",
+                             "resilience.deadline_factor=2",
+                             "inject:delay:stage=0:p=0.03:seconds=0.05",
+                             "inject:delay:stage=0:p=0.05:seconds=0.5",
+                             "inject:kill:stage=1:step=17")
+    run = _completed_once(result, log)
+    assert not run.events_of("stage_lost")
+    assert all(e["detail"]["stage"] != 2 for e in run.events_of("takeover")), run.events
+    plain, plain_log, plain_ckpt = runs("plain-4", 4, "pipeline.stages=4", "resilience.backups={}",
+                                        ulfm=False)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    want = open_log(plain_log).steps["loss"]
+    assert max(abs(float(a) - float(b)) for a, b in zip(run.steps["loss"], want, strict=True)) <= 1e-5
+    for got, ref in zip(_state(ckpt), _state(plain_ckpt), strict=True):
+        assert torch.allclose(got, ref, atol=1e-5, rtol=0)

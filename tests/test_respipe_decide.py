@@ -212,6 +212,24 @@ def test_patience(silent, late, expected) -> None:
     assert round_patience(silent, late, members=6, grace=0.5, quick=0.01) == expected
 
 
+ROUTE = (0, 1, 2, 3)  # the world rank of each stage; 4 and 5 are backups
+
+
+@pytest.mark.parametrize("silent, late, dead, unreplaceable, expected", [
+    ([0], [0], [], [], 0.01),  # the plain case: one late stage, nothing else wrong
+    # Issue 37: stage 0 delayed and stage 2 still busy with the input that came late:
+    # neither answers at once, and stage 2 must not be blamed for stage 0's delay.
+    ([0, 2], [0, 2], [], [], 0.5),
+    ([2], [2], [1], [], 0.5),  # behind a dead stage: it may be waiting on it
+    ([2], [2], [4], [], 0.01),  # a dead backup explains nothing on the route
+    ([1], [1], [], [1], 1.0),  # no holder left: leaving it out would end the run
+    ([5], [5], [], [1], 0.01),  # a late backup: its stage is not at stake
+])
+def test_patience_by_cause(silent, late, dead, unreplaceable, expected) -> None:
+    assert round_patience(silent, late, members=6, grace=0.5, quick=0.01, route=ROUTE,
+                          dead=dead, unreplaceable=unreplaceable) == expected
+
+
 def test_eval_points() -> None:
     assert eval_point(20, evaluates=True, total=20, eval_every=0)
     assert eval_point(10, evaluates=True, total=20, eval_every=5)

@@ -45,18 +45,27 @@ class View:
 
 
 def round_patience(silent: Sequence[int], late: Iterable[int], members: int, grace: float,
-                   quick: float) -> float:
+                   quick: float, route: Sequence[int] = (), dead: Iterable[int] = (),
+                   unreplaceable: Iterable[int] = ()) -> float:
     """How long a round's coordinator waits for ``silent`` ranks before leaving them out.
 
-    ``quick`` if every silent rank was already found late by a survivor (it has
-    had its deadline); ``grace`` otherwise; four times ``grace`` before leaving
-    out half the members or more, which is more likely this rank's own isolation
-    than theirs.
+    ``quick`` only when the cause is plain: every silent rank was found late by a
+    survivor (it has had its deadline), at most one stage of ``route`` is silent and
+    none is known ``dead``. Otherwise ``grace``: a stage downstream (or upstream) of a
+    delayed, silent or dead stage was late only because it waited on that one, or is
+    still busy with the input that came late, and must not be blamed for it (issue 37:
+    a healthy stage 2 was replaced behind a delayed stage 0). Twice ``grace`` when a
+    silent rank is ``unreplaceable`` (a stage with no live holder: leaving it out ends
+    the run, waiting costs at most this); four times ``grace`` before leaving out half
+    the members or more, which is more likely this rank's own isolation than theirs.
     """
     if len(silent) >= members / 2:
         return 4 * grace
-    late = set(late)
-    return quick if silent and all(w in late for w in silent) else grace
+    if any(w in set(unreplaceable) for w in silent):
+        return 2 * grace
+    late, stages, dead = set(late), set(route), set(dead)
+    plain = sum(w in stages for w in silent) <= 1 and not (dead & stages)
+    return quick if silent and plain and all(w in late for w in silent) else grace
 
 
 def eval_point(done: int, *, evaluates: bool, total: int, eval_every: int) -> bool:

@@ -22,6 +22,15 @@ from mpipipe.respipe.control import _EVAL, _FAULT, _FIGS, _LOSS, _RELEASED
 from mpipipe.respipe.costmodel import predict, stage_shapes
 from mpipipe.respipe.messages import Decision
 
+# A new writer rebuilds the rows of the last FIGS_RESENT steps before a round's step P
+# (the old writer wrote the rows before those: it is at most a step behind the others and
+# writes a row one step late). Every rank keeps one step more (a step it completed beyond
+# P, rolled back, may still sit in its window), so that every sender still has each of
+# those steps: with one window of three, a last stage a step ahead had already dropped
+# step P-3, which the writer still had and then waited 0.5 s for, in its own step, until
+# its downstream stage found it late (issue 37).
+FIGS_RESENT = 3
+
 
 @dataclass
 class _Row:
@@ -291,9 +300,10 @@ class Logbook:
         if self.log_w == old:
             return
         senders = [w for w in self.route_w if w in self.members and w != self.log_w]
+        before = lambda s: P - FIGS_RESENT <= s < P  # noqa: E731 - the steps rebuilt
         if self.log_w != self.wrank:
             if self.wrank in senders:
-                self._figs_again(lambda s: s < P)
+                self._figs_again(before)
             return
         if self.log is not None:
             def let_go() -> bool:  # asked until it says yes (RunLog keeps the answer)
@@ -310,7 +320,7 @@ class Logbook:
         if self.progress is not None:
             self.progress.enabled = True
         self.pending_rows, self._rebuilt = {}, {}
-        for s in self._figs_again(lambda s: s < P):
+        for s in self._figs_again(before):
             self._rebuilt[s] = senders
         self._log_event(EventKind.LOG_WRITER_MOVED, P, self.wrank, previous=old,
                         why="the previous writer left the job (failed or replaced)")

@@ -23,7 +23,7 @@ from mpipipe.core.logschema import EventKind
 from mpipipe.core.statecodec import unpack_state
 from mpipipe.core.transport import Late, PeerFailed, pause
 from mpipipe.respipe.control import _ANNOUNCE, _DECISION, _DEMOTED, _GO, _READY, _Control
-from mpipipe.respipe.decide import View, decide, eval_point, round_patience
+from mpipipe.respipe.decide import View, decide, eval_point, round_patience, stage_holders
 from mpipipe.respipe.membership import _DEBUG, Demoted, StageLost
 from mpipipe.respipe.messages import Decision, StateReport
 
@@ -129,6 +129,13 @@ class Rounds:
                 dead.add(self.members[d])
         return [w for w in self.members if w not in heard and w not in dead]
 
+    def _unreplaceable(self, heard: Mapping[int, StateReport]) -> list[int]:
+        """The stages (world ranks) that no rank heard in this round holds a replica of:
+        leaving one of them out would end the run."""
+        return [w for k, w in enumerate(self.route_w)
+                if not any(h in heard for h in stage_holders(k, self.route_w, self.backups_w,
+                                                             self.settings.mode))]
+
     # -- decide (the coordinator) ----------------------------------------------------
     def _view(self, heard: Mapping[int, StateReport], dead: set[int],
               silent: Sequence[int]) -> View:
@@ -200,7 +207,9 @@ class Rounds:
             waited = time.perf_counter() - start
             coordinator = min(heard)
             late = {m.suspect for m in heard.values() if m.reason == "late"}
-            patience = round_patience(silent, late, len(self.members), grace, quick)
+            patience = round_patience(silent, late, len(self.members), grace, quick,
+                                      route=self.route_w, dead=dead,
+                                      unreplaceable=self._unreplaceable(heard))
             if coordinator == self.wrank and (not silent or waited > patience):
                 decision = self._decide(heard, dead, silent)
                 self._send_decision(rnd, decision, silent)

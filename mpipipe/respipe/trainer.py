@@ -58,7 +58,7 @@ from mpipipe.core.transport import Late, PeerFailed, set_wait_hook
 from mpipipe.respipe.control import _ANNOUNCE, _DEMOTED, _END, _STOP, _STOP_ASK, _Control
 from mpipipe.respipe.decide import round_patience
 from mpipipe.respipe.hot import HotMirror
-from mpipipe.respipe.logbook import Logbook, _Row
+from mpipipe.respipe.logbook import FIGS_RESENT, Logbook, _Row
 from mpipipe.respipe.membership import _DEBUG, Demoted, Membership, StageLost
 from mpipipe.respipe.messages import StateReport
 from mpipipe.respipe.mirror import SHADOW_GRAD_MICRO
@@ -141,7 +141,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self.ulfm = ft.ulfm_enabled()
         self.gen = 0
         self.log_w = plan.log_rank  # world rank writing the log (it opened it); a round moves it
-        self.recent_figs: deque[list[float]] = deque(maxlen=3)  # this rank's, for a new writer
+        self.recent_figs: deque[list[float]] = deque(maxlen=FIGS_RESENT + 1)  # for a new writer
         self._rebuilt: dict[int, list[int]] = {}  # new writer: step -> ranks resending figures
         self.loss_copies: dict[int, float] = {}  # the loss keeper's: step -> loss
         data = self.world.Dup()
