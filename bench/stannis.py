@@ -176,6 +176,21 @@ def worker(args: argparse.Namespace) -> None:
             alone_cores[0] = raw.bcast(cores, root=who)
         return raw.bcast(sps, root=who)
 
+    # Host: re-tunes (plan changes by the tuner) and tuned steps while no fault is
+    # injected, in the converging phase and after it: `retunes_per_100_steps` of a
+    # steady run counts those after the first tune has converged, and
+    # `retunes_per_100_steps_from_start` all of them from the first plan on.
+    steady = {"on": False, "steps": 0, "retunes": [], "converge_steps": 0}
+    plan_batches = tr._plan_batches
+
+    def counting(reason: str, plan=None) -> None:
+        old = list(tr.batches)
+        plan_batches(reason, plan)
+        if steady["on"] and tr.batches != old:
+            steady["retunes"].append((tr.step, reason))
+
+    tr._plan_batches = counting
+
     def together(steps: int, tune: bool) -> dict | None:
         """Train ``steps`` steps of host + CSDs; the host gets the phase's figures.
 
@@ -190,6 +205,8 @@ def worker(args: argparse.Namespace) -> None:
         barrier()
         tr._cycle = None  # the busy time of the first step must not count the phase before
         first = len(records)
+        if tune and steady["on"]:
+            steady["steps"] += steps
         t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):
             tr._one_step(tr.step + steps + 10_000, cfg["stannis"], cfg["optim"])
@@ -215,6 +232,7 @@ def worker(args: argparse.Namespace) -> None:
     def set_batches(batches: list[int]) -> None:
         if rank == 0:
             tr.batches = batches
+            tr.retuner.restart(tr.members)  # the tuner judges the new plan on its own steps
         tr._share_plan()
 
     def variant(plan: list[int], tune: bool) -> dict | None:
@@ -226,9 +244,11 @@ def worker(args: argparse.Namespace) -> None:
     # The tuner's benchmark phase and first plan, as `stannis train` does.
     cfg["stannis"]["tune"] = True
     tr._start()
+    steady["on"] = True
     # Let the tuner converge first, as it does early in any run: the rounds
     # measure HyperTune's steady state, not its first guess from the benchmark phase.
     together(size["converge"], tune=True)
+    steady["converge_steps"] = size["converge"]
     tuned_plan = list(tr.batches)
 
     rounds = []
@@ -269,6 +289,7 @@ def worker(args: argparse.Namespace) -> None:
 
     # One CSD slows down 2x mid-run: count steps until throughput recovers.
     together(10, tune=True)
+    steady["on"] = False
     slow_step = tr.step + 1  # the first slowed step (1-based, as in the log)
     # Through the trainer's own fault plan: `_one_step` sets the stretch from it every
     # step, so changing the stretch directly would be undone at the next step.
@@ -278,16 +299,32 @@ def worker(args: argparse.Namespace) -> None:
     if rank == SLOW_RANK:
         tr.faults.mine.append(fault)
     retunes: list[int] = []  # host: steps at which a new plan was chosen after the fault
-    plan_batches = tr._plan_batches
 
     def recording(reason: str, plan=None) -> None:
         retunes.append(tr.step)
-        plan_batches(reason, plan)
+        counting(reason, plan)
 
     tr._plan_batches = recording
     slow = together(size["slow_phase"], tune=True)
     if rank == 0:
         result = summarise(rounds, slow, slow_step, args)
+        n, first = steady["steps"], steady["converge_steps"]
+        late = [s for s, _ in steady["retunes"] if s > first]
+        result["retunes_per_100_steps"] = round(100 * len(late) / (n - first), 2) \
+            if n > first else None
+        result["retunes_per_100_steps_from_start"] = \
+            round(100 * len(steady["retunes"]) / n, 2) if n else None
+        result["_detail"]["steady_retunes"] = len(late)
+        result["_detail"]["steady_steps"] = n - first
+        result["_detail"]["converge_retunes"] = len(steady["retunes"]) - len(late)
+        result["_detail"]["converge_steps"] = first
+        result["_detail"]["steady_retune_reasons"] = [f"step {s}: {r}" for s, r in steady["retunes"]]
+        # The spread of single step times each rank's tuner saw last (the noise it allows for).
+        result["_detail"]["step_spread"] = {r: round(tr.retuner.spread_of(r), 3)
+                                            for r in tr.members}
+        # Each rank's batch floor (overhead at most stannis.overhead_share of its step).
+        result["_detail"]["floors"] = [p.min_batch for p in tr._capped()]
+        result["_detail"]["tuned_plan"] = rounds[-1]["tuned_plan"] if rounds else None
         # Context: how soon the tuner reacted (the re-tune takes effect at the next step).
         result["_detail"]["first_retune_after_steps"] = \
             retunes[0] - slow_step + 1 if retunes else None
@@ -402,7 +439,7 @@ def main() -> int:
     parser.add_argument("--slowdown", type=float, default=8.0, help="CSD slow-down factor")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a trainer setting over the bench's config, as in `stannis train` "
-                             "(repeatable), e.g. --set stannis.imbalance_threshold=0.1")
+                             "(repeatable), e.g. --set stannis.noise_retunes_per_100=2")
     parser.add_argument("--keep", metavar="DIR", help="keep the data and the run log in DIR")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", choices=sorted(SIZES), help=argparse.SUPPRESS)
@@ -435,6 +472,8 @@ def main() -> int:
         # Context figures besides the issue's keys: the machine's load and how much
         # slower the host computed beside the CSDs than alone.
         for key in ("load_avg", "host_interference", "host_only_cores", "tuned_cores",
+                    "steady_retunes", "steady_steps", "steady_retune_reasons", "step_spread", "floors", "tuned_plan",
+                    "converge_retunes", "converge_steps",
                     "first_retune_after_steps", "slow_phase_end_vs_ideal",
                     "retune_windows_invalid", "equal_ideal_sps", "host_only_spj_model"):
             result[key] = detail[key]
@@ -479,6 +518,11 @@ def main() -> int:
           f"own bound (0.9 x HyperTune / bound) {back} "
           f"(first re-tune after {detail['first_retune_after_steps']} steps; last 10 steps at "
           f"{ratio(detail['slow_phase_end_vs_ideal'])} of their bound)")
+    print(f"  re-tunes with no fault: {detail['steady_retunes']} in {detail['steady_steps']} "
+          f"tuned steps after the first {detail['converge_steps']} (retunes_per_100_steps "
+          f"{result['retunes_per_100_steps']}); {detail['converge_retunes']} while converging "
+          f"({result['retunes_per_100_steps_from_start']} per 100 steps from the first plan on)")
+    print(f"  last tuned plan {detail['tuned_plan']}, batch floors {detail['floors']}")
     print("  samples/J are modelled (power model over each phase's wall time; RAPL not read)")
     return 0
 

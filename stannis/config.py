@@ -65,12 +65,14 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "benchmark_batches": [8, 32, 64],  # batch sizes timed in the benchmark phase
         "benchmark_repeats": 3,  # timed steps per batch size (the fastest counts)
         "retune_every": 5,  # share step times every N steps
-        "imbalance_threshold": 0.25,  # re-tune when 1 - min/max step time exceeds this
-        "min_gain": 0.1,  # ...and the new batches promise at least this relative gain
-        # once more after a re-tune for a rank that changed speed, at these (the first
-        # move is planned from steps of another plan; 0: no settling re-tune)
-        "settle_threshold": 0.1,
-        "settle_min_gain": 0.03,
+        # re-tune only on a predicted gain that noise alone would pass about this many
+        # times per 100 steps, judged from the measured spread of step times (docs/stannis.md)
+        "noise_retunes_per_100": 1.0,
+        "min_gain": 0.0,  # ...and at least this relative gain (0: the noise bar alone)
+        "imbalance_threshold": 0.0,  # ...and only when 1 - min/max step time exceeds this (0: any)
+        # a rank's batch is at least the one whose fitted per-step overhead is at most this
+        # share of its step (0: no floor but one sample)
+        "overhead_share": 0.5,
         "max_oversample": 2.0,  # a rank's batch share <= this x its share of the records (0: off)
         "bucket_bytes": BUCKET_BYTES,  # gradient bytes per exchange bucket (see BUCKET_BYTES)
         # how gradients are summed: "host" (a star through the host: every CSD link carries
@@ -177,11 +179,17 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
                         f"a sample; need at least {1 + n}")
     if s["retune_every"] < 1:
         raise PlanError("stannis.retune_every must be >= 1")
-    if not 0.0 <= s["settle_threshold"] < 1.0:
-        raise PlanError(f"stannis.settle_threshold = {s['settle_threshold']}: use an imbalance "
-                        "in [0, 1) (0: no settling re-tune)")
-    if s["settle_min_gain"] < 0:
-        raise PlanError(f"stannis.settle_min_gain = {s['settle_min_gain']}: use a gain >= 0")
+    if s["noise_retunes_per_100"] < 0:
+        raise PlanError(f"stannis.noise_retunes_per_100 = {s['noise_retunes_per_100']}: use a "
+                        "rate >= 0 (0: never re-tune on a gain that noise could explain)")
+    if s["min_gain"] < 0:
+        raise PlanError(f"stannis.min_gain = {s['min_gain']}: use a gain >= 0")
+    if not 0.0 <= s["imbalance_threshold"] < 1.0:
+        raise PlanError(f"stannis.imbalance_threshold = {s['imbalance_threshold']}: use an "
+                        "imbalance in [0, 1) (0: any)")
+    if not 0.0 <= s["overhead_share"] < 1.0:
+        raise PlanError(f"stannis.overhead_share = {s['overhead_share']}: use a share in [0, 1) "
+                        "(0: no floor but one sample)")
     if s["max_oversample"] != 0 and s["max_oversample"] < 1:
         raise PlanError(f"stannis.max_oversample = {s['max_oversample']}: use 0 (no cap) or a "
                         "factor >= 1 (a rank's batch share over its share of the records)")

@@ -13,11 +13,16 @@ unit-tested without MPI. The papers give only abstracts; the rule is ours:
   the whole step and its active-minus-idle power while it computes, so the
   tuner may stretch the step to move samples to the ranks that are cheap per
   sample; ``mix`` weighs the two, each normalised by its own optimum;
-* while training, ranks share their compute times every few steps; when the
-  imbalance ``1 - min/max`` passes a threshold each rank's step model is scaled
-  to what was observed, the batches are recomputed, and the new plan is taken
-  at the next step boundary if it predicts a clear gain (hysteresis: noise on
-  a shared machine must not make batch sizes flap);
+* while training, the host keeps every rank's busy time per step
+  (:class:`Retuner`); every few steps it smooths each rank's time (a windowed
+  median at the plan in force), scales each rank's step model to it, and takes
+  the plan that the recomputed batches promise only if its predicted gain beats
+  what the measured spread of step times could fake (:func:`gain_threshold`):
+  noise on a shared machine must not make batch sizes flap, a rank that really
+  changed speed must be followed within a few steps;
+* no rank gets a batch so small that fixed per-step overhead dominates its
+  step: a rank's batch is at least :func:`batch_floor`, the batch at which the
+  fitted overhead is at most ``overhead_share`` of the step (:func:`with_floors`);
 * a rank's share of the global batch is capped at ``max_oversample`` times its
   share of all training records (:func:`share_caps`): the update is the
   gradient of the union batch, and a rank whose fitted cost per sample comes out
@@ -30,12 +35,19 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 OBJECTIVES = ("throughput", "energy", "mix")
 #: A rank this many times slower (or faster) than its step model has changed speed.
 SUDDEN_JUMP = 1.5
+#: MAD x this estimates the standard deviation of normal data (1 / Phi^-1(3/4)).
+MAD_TO_SD = 1.4826
+#: The median of n normal samples has this many times the standard error of their mean
+#: (sqrt(pi / 2), large n); a window's smoothed time is its median.
+MEDIAN_SE = math.sqrt(math.pi / 2)
 
 
 class TuneError(ValueError):
@@ -350,6 +362,307 @@ def damp(old: Sequence[int], target: Sequence[int], alpha: float) -> tuple[int, 
     for i in sorted(range(len(raw)), key=lambda i: out[i] - raw[i])[:left]:
         out[i] += 1
     return tuple(out)
+
+
+def batch_floor(model: StepModel, overhead_share: float = 0.5) -> int:
+    """The smallest batch whose step spends at most ``overhead_share`` of its time on overhead.
+
+    A step of ``b`` samples lasts ``o + b p``; its fixed part is at most a share
+    ``s`` of it when ``b >= o (1 - s) / (s p)``, i.e. ``b >= o / p`` for s = 1/2
+    (as much time on the samples as on the step's fixed cost). A smaller batch
+    buys little: one sample on a rank whose step is all overhead costs a whole
+    step for one sample. ``overhead_share`` 0 or >= 1, or a fit without overhead,
+    gives 1 (no floor beyond "at least one sample").
+    """
+    if not 0.0 < overhead_share < 1.0 or model.overhead_s <= 0 or model.per_sample_s <= 0:
+        return 1
+    b = model.overhead_s * (1.0 - overhead_share) / (overhead_share * model.per_sample_s)
+    return max(1, math.ceil(b - 1e-9))
+
+
+def with_floors(profiles: Sequence[RankProfile], global_batch: int,
+                overhead_share: float = 0.5) -> tuple[list[RankProfile], bool]:
+    """Profiles whose ``min_batch`` is each rank's :func:`batch_floor`, within its cap.
+
+    The floor depends only on the ratio overhead / per-sample cost, which
+    :func:`refit` keeps (it scales both), so it is the benchmark's measurement
+    for the whole run. When the floors do not fit in ``global_batch`` they are
+    scaled down in proportion (every rank still trains on its data, which is
+    Stannis's point) and the second value is False: the global batch is too
+    small for these ranks to work efficiently, and the caller should say so.
+    """
+    floors = [min(p.max_batch, max(p.min_batch, batch_floor(p.model, overhead_share)))
+              for p in profiles]
+    fits = sum(floors) <= global_batch
+    if not fits:
+        scale = global_batch / sum(floors)
+        floors = [min(f, max(p.min_batch, math.floor(f * scale)))
+                  for p, f in zip(profiles, floors, strict=True)]
+    return [replace(p, min_batch=f) for p, f in zip(profiles, floors, strict=True)], fits
+
+
+def relative_spread(times: Sequence[float]) -> float:
+    """Robust relative standard deviation of single step times: ``1.4826 MAD / median``.
+
+    Median and MAD, not mean and standard deviation: on a shared machine a step
+    now and then waits for a core (or the host evaluates), and one such step
+    must not make the tuner think every step is that noisy. 0 for fewer than two
+    times or a zero median.
+    """
+    if len(times) < 2:
+        return 0.0
+    med = statistics.median(times)
+    if med <= 0:
+        return 0.0
+    return MAD_TO_SD * statistics.median(abs(t - med) for t in times) / med
+
+
+def median_se(spread: float, n: int) -> float:
+    """Relative standard error of the median of ``n`` steps whose relative spread is ``spread``.
+
+    ``sqrt(pi / 2) spread / sqrt(n)``: the median's large-sample error for
+    normal noise (a little pessimistic for n = 5, where it is 1.20 rather than 1.25).
+    """
+    return MEDIAN_SE * spread / math.sqrt(max(n, 1))
+
+
+def noise_z(noise_retunes_per_100: float, every: int, ranks: int) -> float:
+    """Standard errors a gain must beat so that noise re-tunes about that often.
+
+    A check every ``every`` steps may raise a false alarm with probability
+    ``a = noise_retunes_per_100 * every / 100``; any of ``ranks`` estimates can
+    raise it, so each gets ``a / ranks`` (Bonferroni) and the bar is the normal
+    quantile ``Phi^-1(1 - a / ranks)``. Default figures (1 per 100 steps, every 5,
+    5 ranks): a = 0.05, 0.01 per rank, z = 2.33. 0 per 100 steps: no bar from noise.
+    """
+    if noise_retunes_per_100 <= 0:
+        return math.inf
+    a = min(noise_retunes_per_100 * every / 100.0, 1.0) / max(ranks, 1)
+    return statistics.NormalDist().inv_cdf(1.0 - a) if a < 0.5 else 0.0
+
+
+def gain_threshold(se: Sequence[float], shares: Sequence[float], z: float,
+                   granularity: float = 0.0) -> float:
+    """The predicted gain that noise alone passes with probability about ``Phi(-z)`` per rank.
+
+    ``se``: each rank's relative standard error of its smoothed time; ``shares``:
+    each rank's share of the candidate plan's samples. The current plan's step
+    is the slowest rank's measured time, ``t_k``; the candidate's is set by all
+    ranks at once, since equal step times make its length depend on rank r's
+    time with elasticity ``shares[r]``. So the log of the predicted gain errs
+    by ``e_k - sum_r shares[r] e_r``, with standard deviation
+    ``sqrt(sum_r (1[r = k] - shares[r])^2 se_r^2)``; the bar is ``z`` of those
+    for the worst ``k`` (any rank can look slowest), and never below
+    ``granularity`` (the gain of one sample's time, which integer batches cannot
+    resolve). For the energy and mix objectives it is the same bar, an
+    approximation.
+    """
+    worst = 0.0
+    for k in range(len(se)):
+        var = sum(((1.0 if r == k else 0.0) - w) ** 2 * e ** 2
+                  for r, (w, e) in enumerate(zip(shares, se, strict=True)))
+        worst = max(worst, math.sqrt(var))
+    return max(z * worst, granularity)
+
+
+@dataclass(frozen=True)
+class RetuneRule:
+    """When the host re-tunes (see :class:`Retuner`; ``stannis.*`` keys of the same names).
+
+    ``noise_retunes_per_100``: how many re-tunes per 100 steps noise alone may
+    cause (:func:`noise_z` turns it into the bar): half of the goal of at most
+    2 per 100 steady steps, the other half left for convergence after the first
+    plan. ``min_gain``, ``imbalance_threshold``: optional fixed bars on top
+    (0: none). ``memory``: checks whose spreads are pooled (their median) per
+    rank: a window of 5 steps alone gives a spread that is itself noisy.
+    """
+
+    every: int = 5
+    noise_retunes_per_100: float = 1.0
+    min_gain: float = 0.0
+    imbalance_threshold: float = 0.0
+    memory: int = 4
+
+    @property
+    def window(self) -> int:
+        """Steps at the plan in force that a smoothed time may rest on."""
+        return 4 * self.every
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one check of the :class:`Retuner` found.
+
+    ``profiles``: every member's step model scaled to its smoothed time (the
+    caller keeps them); ``target``: the new batches, or None to keep the plan;
+    ``reason``: why (for the ``retune`` event), also when the plan is kept.
+    """
+
+    profiles: list[RankProfile]
+    target: tuple[int, ...] | None
+    reason: str
+    gain: float
+    threshold: float
+    changed_speed: bool = False
+
+
+@dataclass
+class Retuner:
+    """The host's re-tune decisions from per-step busy times (pure: no MPI, no clock).
+
+    Per rank it keeps the last ``4 every`` steps run at the plan in force.
+    Every ``every`` steps :meth:`check` smooths each rank's time: the median of
+    that window, unless its newest ``every`` steps differ from the older ones by
+    more than noise allows (then the rank changed speed and only the newest
+    count). The noise is measured two ways, both from the steps since the last
+    check (they do not overlap with the check's before): the spread of single
+    steps within them (:func:`relative_spread`, pooled over the last ``memory``
+    checks) and how far their median moved from the previous check's at the
+    same batch (:meth:`drift_of`, over the last ``4 memory`` checks). It scales
+    each step model to its smoothed time, tunes again, and moves only if the
+    predicted gain beats :func:`gain_threshold` for the ranks' standard errors. A move
+    that reverses the previous one within two checks is damped to half way
+    unless some rank changed speed (the step model is off in shape, not in
+    scale).
+    """
+
+    rule: RetuneRule = field(default_factory=RetuneRule)
+    windows: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
+    spreads: dict[int, deque[float]] = field(default_factory=dict)
+    #: per rank: |log| of the ratio of consecutive checks' medians at one batch
+    drifts: dict[int, deque[float]] = field(default_factory=dict)
+    #: per rank: (batch, median of the newest ``every`` steps) at the last check
+    previous: dict[int, tuple[int, float]] = field(default_factory=dict)
+    last_change: list[int] = field(default_factory=list)
+    last_change_step: int = -(10 ** 9)
+
+    def restart(self, members: Sequence[int]) -> None:
+        """A new plan is in force: judge the next decision on its steps only."""
+        self.windows = {r: deque(maxlen=self.rule.window) for r in members}
+        for kept in (self.spreads, self.drifts, self.previous):
+            for r in list(kept):
+                if r not in members:
+                    del kept[r]
+
+    def forget_moves(self) -> None:
+        """The members changed (a rank was dropped): no move to damp against."""
+        self.last_change = []
+
+    def record(self, rank: int, batch: int, seconds: float) -> None:
+        """One step's busy time of ``rank`` at ``batch`` (empty steps say nothing)."""
+        if batch > 0 and seconds > 0:
+            self.windows.setdefault(rank, deque(maxlen=self.rule.window)).append(
+                (batch, seconds))
+
+    def spread_of(self, rank: int) -> float:
+        """The rank's pooled spread: the median over its last checks' spreads."""
+        past = self.spreads.get(rank)
+        return statistics.median(past) if past else 0.0
+
+    def drift_of(self, rank: int) -> float:
+        """Robust standard deviation of the change of a window's median from one check to
+        the next at the same batch (0 until there is one).
+
+        This is the noise that matters: on a shared machine the load comes and goes,
+        so consecutive windows differ by more than the spread within a window says
+        (an emulated CSD's steps are nearly equal within a window, and all of them
+        drift with the machine's load).
+        """
+        past = self.drifts.get(rank)
+        return MAD_TO_SD * statistics.median(past) if past else 0.0
+
+    def _smoothed(self, rank: int, batch: int, z: float) -> tuple[float, float, bool] | None:
+        """(smoothed time, its relative standard error, changed) at ``batch``; None if short.
+
+        Also pools the spread of the newest ``every`` steps into the rank's.
+        """
+        every = self.rule.every
+        times = [t for b, t in self.windows.get(rank, ()) if b == batch]
+        if len(times) < every:
+            return None
+        recent, older = times[-every:], times[:-every]
+        new = statistics.median(recent)
+        self.spreads.setdefault(rank, deque(maxlen=self.rule.memory)).append(
+            relative_spread(recent))
+        last = self.previous.get(rank)
+        if last is not None and last[0] == batch and last[1] > 0 and new > 0:
+            self.drifts.setdefault(rank, deque(maxlen=4 * self.rule.memory)).append(
+                abs(math.log(new / last[1])))
+        self.previous[rank] = (batch, new)
+        spread, drift = self.spread_of(rank), self.drift_of(rank)
+        if len(older) >= every:
+            old = statistics.median(older)
+            # The newest window against the older ones: the larger of the two noises.
+            sd = max(math.hypot(median_se(spread, len(older)), median_se(spread, every)), drift)
+            if old > 0 and new > 0 and abs(math.log(new / old)) > z * sd:
+                return new, max(median_se(spread, every), drift / math.sqrt(2)), True
+        # A smoothed time's error: the median's, or a window's drift, whichever is
+        # larger. A window's level errs by drift / sqrt 2 (the drift is measured between
+        # two windows). More windows do not shrink it: the load of a shared machine
+        # shifts for tens of seconds at a time, so neighbouring windows err alike.
+        return statistics.median(times), max(median_se(spread, len(times)),
+                                             drift / math.sqrt(2)), False
+
+    def check(self, step: int, members: Sequence[int], batches: Sequence[int],
+              profiles: Sequence[RankProfile],
+              constrain: Callable[[list[RankProfile]], list[RankProfile]],
+              global_batch: int, objective: str = "throughput",
+              mix_weight: float = 0.5) -> Decision | None:
+        """Decide at the end of ``step``; None when it is not time or a window is short.
+
+        ``profiles``: the members' current step models (uncapped);
+        ``constrain``: turns them into the profiles the plan obeys (caps, floors).
+        """
+        rule = self.rule
+        if step % rule.every:
+            return None
+        busy = [(r, b) for r, b in zip(members, batches, strict=True) if b > 0]
+        if any(len([t for bb, t in self.windows.get(r, ()) if bb == b]) < rule.every
+               for r, b in busy):
+            return None
+        z = noise_z(rule.noise_retunes_per_100, rule.every, len(busy))
+        smoothed = {r: self._smoothed(r, b, z) for r, b in busy}
+        observed = [smoothed[r][0] if r in smoothed else 0.0 for r in members]
+        se = [smoothed[r][1] if r in smoothed else 0.0 for r in members]
+        factors = scale_factors(profiles, batches, observed)
+        fitted = refit(profiles, batches, observed)
+        capped = constrain(list(fitted))
+        current = evaluate(capped, batches)
+        candidate = tune(capped, global_batch, objective, mix_weight)
+        better = gain(current, candidate, objective, mix_weight)
+        # One sample's time on the rank that sets the step: integer batches cannot do better.
+        step_s = candidate.step_s or current.step_s
+        grain = max((p.model.per_sample_s for p, b in zip(capped, candidate.batches,
+                                                           strict=True) if b > 0),
+                    default=0.0) / step_s if step_s > 0 else 0.0
+        total = sum(candidate.batches)
+        shares = [b / total if total else 0.0 for b in candidate.batches]
+        bar = max(gain_threshold(se, shares, z, grain), rule.min_gain)
+        level = imbalance(observed)
+        changed = sorted(r for r, x in smoothed.items() if x[2])
+        changed_speed = sudden(factors) or bool(changed)
+        reason = (f"predicted gain {better:.1%} > {bar:.1%} (noise: z {z:.2f}, standard errors "
+                  f"{', '.join(f'{e:.1%}' for e in se)})")
+        if better <= bar:
+            return Decision(fitted, None, reason.replace(" > ", " <= ", 1), better, bar,
+                            changed_speed)
+        if level <= rule.imbalance_threshold:
+            return Decision(fitted, None, f"imbalance {level:.2f} <= {rule.imbalance_threshold}",
+                            better, bar, changed_speed)
+        target = candidate.batches
+        change = [t - b for t, b in zip(target, batches, strict=True)]
+        recent = step - self.last_change_step <= 2 * rule.every
+        reverses = any(c * p < 0 for c, p in zip(change, self.last_change, strict=False))
+        if recent and reverses and not changed_speed:
+            # The last move overshot: the step models are off in shape; go half way.
+            # (Not when a rank changed speed: then the whole move is what it needs.)
+            target = damp(batches, target, 0.5)
+            reason += ", damped"
+        if changed:
+            reason += f", ranks {changed} changed speed (newest steps only)"
+        self.last_change = [t - b for t, b in zip(target, batches, strict=True)]
+        self.last_change_step = step
+        return Decision(fitted, tuple(target), reason, better, bar, changed_speed)
 
 
 def should_retune(step_times: Sequence[float], threshold: float) -> bool:

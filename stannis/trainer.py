@@ -7,7 +7,6 @@ import math
 import os
 import sys
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Any
 
@@ -33,18 +32,15 @@ from .energy import EnergyError, PowerModel, make_meter
 from .hypertune import (
     Plan,
     RankProfile,
+    Retuner,
+    RetuneRule,
     TuneError,
-    damp,
     evaluate,
     fit_step_model,
-    gain,
-    imbalance,
-    refit,
-    scale_factors,
     scaled_lr,
     share_caps,
-    sudden,
     tune,
+    with_floors,
 )
 
 PROG = "stannis train"
@@ -174,11 +170,13 @@ class Trainer:
                     kill=lambda: None, on_fire=self._fault_logger(r), dry=True)
         self.batches: list[int] = []
         self.profiles: dict[int, RankProfile] = {}
-        # host: recent (batch, busy seconds) per rank; the tuner reads those at the plan in force
-        self.window: dict[int, deque[tuple[int, float]]] = {}
-        self.last_change: list[int] = []
-        self.last_change_step = 0
-        self.settling = False  # host: check once more, at the settle bar, at the next turn
+        s = cfg["stannis"]
+        # host: each rank's busy times at the plan in force, and when to re-tune on them
+        self.retuner = Retuner(RetuneRule(every=s["retune_every"],
+                                          noise_retunes_per_100=s["noise_retunes_per_100"],
+                                          min_gain=s["min_gain"],
+                                          imbalance_threshold=s["imbalance_threshold"]))
+        self.floors_fit = True  # host: the last plan gave every rank its batch floor
         self.dropped_pending: list[int] = []
         self._cycle: float | None = None  # end of the last gradient exchange
         self._post = (math.nan,) * len(LATE_FIGURES)  # last step's late figures, sent next
@@ -340,37 +338,50 @@ class Trainer:
         return RankProfile(model, cfg["csd"]["max_batch"], 1, p.idle_w, p.active_w)
 
     def _capped(self) -> list[RankProfile]:
-        """The members' profiles with each batch capped by its share of the records.
+        """The members' profiles as the plan obeys them (see :meth:`_constrain`)."""
+        return self._constrain([self.profiles[r] for r in self.members])
+
+    def _constrain(self, profiles: list[RankProfile]) -> list[RankProfile]:
+        """The members' profiles with each batch capped by its share of the records,
+        and floored where its fixed per-step overhead would dominate.
 
         Recomputed at every plan, so the caps follow the data that is left after a
-        CSD is dropped (see hypertune.share_caps).
+        CSD is dropped (see hypertune.share_caps); the floors come from each
+        rank's benchmark fit (hypertune.batch_floor, stannis.overhead_share).
         """
         s = self.cfg["stannis"]
         caps = share_caps([self.records[r] for r in self.members], s["global_batch"],
                           s["max_oversample"])
         out = []
-        for r, cap in zip(self.members, caps, strict=True):
-            p = self.profiles[r]
+        for p, cap in zip(profiles, caps, strict=True):
             top = min(p.max_batch, cap)
             out.append(replace(p, max_batch=top, min_batch=min(p.min_batch, top)))
+        out, self.floors_fit = with_floors(out, s["global_batch"], s["overhead_share"])
         return out
 
     def _plan_batches(self, reason: str, plan: Plan | None = None) -> None:
         """Host: choose batches for the current members (HyperTune or equal split)."""
         s = self.cfg["stannis"]
         old = list(self.batches)
+        floors: list[int] = []
         if s["tune"]:
-            plan = plan or tune(self._capped(), s["global_batch"], s["objective"], s["mix_weight"])
+            capped = self._capped()
+            floors = [p.min_batch for p in capped]
+            plan = plan or tune(capped, s["global_batch"], s["objective"], s["mix_weight"])
             new = list(plan.batches)
             predicted = plan.samples_per_s
+            if not self.floors_fit:
+                reason += (f"; floors {floors} scaled down to fit the global batch "
+                           f"{s['global_batch']}: raise stannis.global_batch for every rank "
+                           f"to work at <= {s['overhead_share']:.0%} overhead")
         else:
             new = equal_split(s["global_batch"], len(self.members))
             predicted = math.nan
         self.batches = new
-        self.window = {r: deque(maxlen=s["retune_every"]) for r in self.members}
+        self.retuner.restart(self.members)
         if old != new:
             self.log.event(EventKind.RETUNE, step=self.step, reason=reason, ranks=self.members,
-                               old=old, new=new, predicted_sps=predicted)
+                               old=old, new=new, predicted_sps=predicted, floors=floors)
             self.run.progress.message(f"step {self.step}: batches {old} -> {new} ({reason})")
 
     def _share_plan(self) -> None:
@@ -381,57 +392,23 @@ class Trainer:
         self.batches = [int(b) for b in buf]
 
     def _maybe_retune(self) -> None:
+        """Host: every ``retune_every`` steps, re-tune if the gain beats the noise.
+
+        The rule is hypertune.Retuner's (pure, unit-tested without MPI): smoothed
+        per-rank times, a bar derived from the measured spread of step times.
+        """
         s = self.cfg["stannis"]
-        if not s["tune"] or self.step % s["retune_every"]:
+        if not s["tune"]:
             return
-        at_plan = [[t for b, t in self.window[r] if b == batch]
-                   for r, batch in zip(self.members, self.batches, strict=True)]
-        if any(len(times) < s["retune_every"] for times in at_plan):
+        decision = self.retuner.check(
+            self.step, self.members, self.batches, [self.profiles[r] for r in self.members],
+            self._constrain, s["global_batch"], s["objective"], s["mix_weight"])
+        if decision is None:
             return
-        observed = [float(np.median(times)) for times in at_plan]
-        level = imbalance([t if b > 0 else 0.0 for t, b in zip(observed, self.batches,
-                                                                   strict=True)])
-        # Settling: the move for a rank that changed speed was planned from steps
-        # timed under the old plan; the first check on steps of the new one may fix
-        # what that left (once, at a lower bar, so the tuner cannot flap).
-        settling, self.settling = self.settling, False
-        threshold, min_gain = s["imbalance_threshold"], s["min_gain"]
-        if settling and s["settle_threshold"] > 0:
-            threshold = min(threshold, s["settle_threshold"])
-            min_gain = min(min_gain, s["settle_min_gain"])
-        if level <= threshold:
-            return
-        models = [self.profiles[r] for r in self.members]
-        factors = scale_factors(models, self.batches, observed)
-        fitted = refit(models, self.batches, observed)
-        for r, p in zip(self.members, fitted, strict=True):
+        for r, p in zip(self.members, decision.profiles, strict=True):
             self.profiles[r] = p
-        capped = self._capped()
-        current = evaluate(capped, self.batches)
-        candidate = tune(capped, s["global_batch"], s["objective"], s["mix_weight"])
-        better = gain(current, candidate, s["objective"], s["mix_weight"])
-        for r in self.members:
-            self.window[r].clear()  # judge the next decision on fresh steps only
-        if better <= min_gain:
-            return
-        target = candidate.batches
-        change = [t - b for t, b in zip(target, self.batches, strict=True)]
-        reason = f"imbalance {level:.2f} > {threshold}, predicted gain {better:.0%}"
-        changed_speed = sudden(factors)
-        if settling:
-            reason += ", settling"
-        else:
-            self.settling = changed_speed
-        recent = self.step - self.last_change_step <= 2 * s["retune_every"]
-        reverses = any(c * p < 0 for c, p in zip(change, self.last_change, strict=False))
-        if recent and reverses and not changed_speed:
-            # The last move overshot: the step models are off in shape; go half way.
-            # (Not when a rank changed speed: then the whole move is what it needs.)
-            target = damp(self.batches, target, 0.5)
-            reason += ", damped"
-        self.last_change = [t - b for t, b in zip(target, self.batches, strict=True)]
-        self.last_change_step = self.step
-        self._plan_batches(reason, evaluate(capped, target))
+        if decision.target is not None:
+            self._plan_batches(decision.reason, evaluate(self._capped(), decision.target))
 
     # -- failures -----------------------------------------------------------------------
     def _recover_until_stable(self, error: BaseException, attempts: int = 4, *,
@@ -504,7 +481,7 @@ class Trainer:
                     f"step {self.step}: rank {r} died; dropped, its {self.records.get(r, 0)} "
                     "private samples are no longer trained on")
                 self.profiles.pop(r, None)
-            self.last_change = []
+            self.retuner.forget_moves()
             if replan:
                 self._plan_batches(f"ranks {dead} dropped")
         elif self.is_host:
@@ -682,8 +659,7 @@ class Trainer:
             total_b += b
             loss_sum += fig["loss_sum"]
             now[r] = {"compute_s": fig["compute_s"], "batch_size": b, "busy_s": fig["busy_s"]}
-            if b > 0:
-                self.window[r].append((b, fig["busy_s"]))
+            self.retuner.record(r, b, fig["busy_s"])
             t = self.totals.setdefault(r, {"samples": 0, "joules": 0.0, "busy_s": 0.0})
             t["samples"] += b
             t["busy_s"] += fig["compute_s"]
