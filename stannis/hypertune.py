@@ -584,18 +584,23 @@ class Retuner:
         new = statistics.median(recent)
         self.spreads.setdefault(rank, deque(maxlen=self.rule.memory)).append(
             relative_spread(recent))
-        last = self.previous.get(rank)
-        if last is not None and last[0] == batch and last[1] > 0 and new > 0:
-            self.drifts.setdefault(rank, deque(maxlen=4 * self.rule.memory)).append(
-                abs(math.log(new / last[1])))
-        self.previous[rank] = (batch, new)
         spread, drift = self.spread_of(rank), self.drift_of(rank)
+        changed = False
         if len(older) >= every:
             old = statistics.median(older)
             # The newest window against the older ones: the larger of the two noises.
             sd = max(math.hypot(median_se(spread, len(older)), median_se(spread, every)), drift)
-            if old > 0 and new > 0 and abs(math.log(new / old)) > z * sd:
-                return new, max(median_se(spread, every), drift / math.sqrt(2)), True
+            changed = old > 0 and new > 0 and abs(math.log(new / old)) > z * sd
+        last = self.previous.get(rank)
+        if not changed and last is not None and last[0] == batch and last[1] > 0 and new > 0:
+            # A change point is a change, not noise: it must not raise the bar that
+            # the move it calls for has to pass (early in a run, with few drifts
+            # recorded, one jump would dominate them).
+            self.drifts.setdefault(rank, deque(maxlen=4 * self.rule.memory)).append(
+                abs(math.log(new / last[1])))
+        self.previous[rank] = (batch, new)
+        if changed:
+            return new, max(median_se(spread, every), drift / math.sqrt(2)), True
         # A smoothed time's error: the median's, or a window's drift, whichever is
         # larger. A window's level errs by drift / sqrt 2 (the drift is measured between
         # two windows). More windows do not shrink it: the load of a shared machine

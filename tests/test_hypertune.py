@@ -429,3 +429,15 @@ def test_the_floor_holds_in_every_plan_of_an_overhead_bound_run() -> None:
             for p, b in zip(profiles, batches, strict=True):
                 assert b >= p.min_batch >= batch_floor(p.model) > 1
         assert len(plans) - 1 <= 3, plans  # the slow-down, and at most a correction or two
+
+
+def test_a_slow_down_early_in_the_run_is_followed_too() -> None:
+    # At step 11 the tuner has seen one drift between windows; the jump must not be
+    # taken for noise and raise the bar that the move it calls for has to pass (the
+    # MPI test of every CSD slowed 8x at step 10 found that).
+    true = [BENCH_HOST] + [BENCH_CSD] * 4
+    for seed in range(10):
+        plans, _ = _simulate(true, true, 1536, 40, 0.05, seed, slow=(2, 11))
+        after = [(s, b) for s, b in plans if s >= 11]
+        assert after and after[0][0] - 10 <= 10, (seed, plans)
+        assert after[0][1][2] < 0.7 * plans[0][1][2], (seed, plans)
