@@ -192,3 +192,18 @@ def test_a_stage_behind_a_delayed_one_is_not_blamed(runs):
     assert max(abs(float(a) - float(b)) for a, b in zip(run.steps["loss"], want, strict=True)) <= 1e-5
     for got, ref in zip(_state(ckpt), _state(plain_ckpt), strict=True):
         assert torch.allclose(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(600)
+def test_members_killed_after_ready_twice_in_a_row_cost_two_more_rounds(runs):
+    # Issue 37: a member dies between its READY and its build, in two rounds in a row;
+    # the others' build calls stay blocked each time (Open MPI waits for ever), give up
+    # after BUILD_WAIT_S, and the round runs again without the dead member, whose
+    # members differ from the blocked build's. The result stays exact.
+    run = _exact(runs, "killed-at-build-twice", "resilience.deadline_s=1.5",
+                 "inject:stall:stage=1:step=12:seconds=3",
+                 "inject:kill:rank=5:step=12:round=1:build=1",
+                 "inject:kill:rank=3:step=12:round=2:build=1")
+    assert {e["detail"]["stage"] for e in run.events_of("takeover")} == {1}
+    fired = [e for e in run.events_of("fault_injected") if "build=1" in e["detail"]["fault"]]
+    assert len(fired) == 2, run.events

@@ -370,8 +370,26 @@ def test_kills_and_stalls_can_fall_inside_a_round_and_say_when_none_ran() -> Non
     assert fired == [1] and plan.unfired_round_faults() == [plan.mine[1]]
     assert plan.in_round(9) == 2.0 and plan.in_round(10) == 0  # once
     assert slept == [2.0] and not plan.unfired_round_faults()
-    with pytest.raises(inject.FaultError, match="round must be 1"):
-        inject.parse("kill:stage=1:step=3:round=2")
+    with pytest.raises(inject.FaultError, match="round must be >= 1"):
+        inject.parse("kill:stage=1:step=3:round=0")
+    with pytest.raises(inject.FaultError, match="build=1 goes with round"):
+        inject.parse("kill:stage=1:step=3:build=1")
+
+
+def test_a_round_fault_may_wait_for_a_later_round_and_fire_at_the_build() -> None:
+    # Issue 37: a member killed between READY and its build, twice in a row (the round
+    # that runs again is the second from the step on).
+    f = inject.parse("kill:rank=3:step=7:round=2:build=1")
+    assert (f.round, f.build) == (2, True) and inject.parse(str(f)) == f
+    fired: list[int] = []
+    plan = inject.FaultPlan([f], seed=0, stage=None, rank=3, kill=lambda: fired.append(1))
+    plan.in_round(7)  # the first round: counted at its decision ...
+    plan.in_round(7, at_build=True)  # ... and not fired at its build
+    assert not fired
+    plan.in_round(7)  # the second: not yet at its decision
+    assert not fired
+    plan.in_round(7, at_build=True)
+    assert fired == [1] and not plan.unfired_round_faults()
     with pytest.raises(inject.FaultError, match="not both"):
         inject.parse("kill:stage=1:step=3:round=1:micro=0")
     with pytest.raises(inject.FaultError, match="unknown key 'round' for delay"):

@@ -53,8 +53,9 @@ def _kind(name: str, required: str, optional: str, example: str, **how: bool) ->
 # The target is either a stage (pipeline jobs) or a rank (any job), never both; a node
 # fault names a testbed node instead.
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
-    _kind("kill", "step", "micro round", "kill:stage=1:step=20", silences=True, ends_process=True),
-    _kind("stall", "step", "seconds micro round", "stall:stage=1:step=20:seconds=5",
+    _kind("kill", "step", "micro round build", "kill:stage=1:step=20", silences=True,
+          ends_process=True),
+    _kind("stall", "step", "seconds micro round build", "stall:stage=1:step=20:seconds=5",
           silences=True),
     _kind("delay", "p seconds", "step", "delay:stage=1:p=0.1:seconds=0.5", repeats=True),
     _kind("slow", "factor", "step", "slow:rank=2:step=10:factor=3"),
@@ -65,7 +66,7 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
 )}
 KINDS = tuple(FAULT_KINDS)
 NODE_KINDS = tuple(k for k, v in FAULT_KINDS.items() if v.on_node)
-_INT_KEYS = {"stage", "rank", "step", "micro", "round"}
+_INT_KEYS = {"stage", "rank", "step", "micro", "round", "build"}
 DEFAULT_STALL_S = 5.0
 DEFAULT_PARTITION_S = 10.0
 # A testbed node's name (mpipipe.core.testbed.NAME_RE), with or without the mpt- prefix.
@@ -85,10 +86,13 @@ class Fault:
     with ``micro=M`` in the middle of it, right after the forward of micro-batch M.
     ``stall``: the target stops responding (sleeps outside MPI) for ``seconds`` at ``step``
     (with ``micro=M``: after the forward of micro-batch M).
-    ``round=1`` (kill, stall; ResPipe): instead, in the first recovery round the target
-    applies at or after ``step``, after it has read the round's decision and before it
-    builds the new generation with the other members: a fault during recovery, which
-    the members must survive too. Another fault must start that round; if none does,
+    ``round=N`` (kill, stall; ResPipe): instead, in the N-th recovery round the target
+    runs at or after ``step`` (a round that runs again counts as one more), after it
+    has read the round's decision and before it says it is there to build the new
+    generation with the other members: a fault during recovery, which the members must
+    survive too. With ``build=1``, later in that round: after the member said it is
+    there and heard "build", right before its own build call, so that the others wait
+    in theirs for it (and give up). Another fault must start the round; if none does,
     the run ends saying the fault did not fire.
     ``delay``: at every step (from ``step``, default 0) the target sleeps ``seconds``
     with probability ``p`` (seeded, so a run is repeatable; a replayed step is not
@@ -113,7 +117,8 @@ class Fault:
     seconds: float = 0.0
     factor: float = 1.0
     micro: int = -1  # kill, stall: -1 = at the start of the step
-    round: int = 0  # kill, stall: 1 = in the first round from ``step`` on (ResPipe)
+    round: int = 0  # kill, stall: N = in the N-th round from ``step`` on (ResPipe)
+    build: bool = False  # with round: after the member's READY and GO, before its build
     node: str | None = None  # node-kill, partition: the testbed node's name (no mpt- prefix)
 
     @property
@@ -136,7 +141,8 @@ class Fault:
             return f"{self.kind}:node={self.node}:step={self.step}{extra}"
         where = f"stage={self.stage}" if self.stage is not None else f"rank={self.rank}"
         at = f":micro={self.micro}" if self.micro >= 0 else ""
-        at += ":round=1" if self.round else ""
+        at += f":round={self.round}" if self.round else ""
+        at += ":build=1" if self.build else ""
         extra = {"kill": f"step={self.step}{at}",
                  "stall": f"step={self.step}{at}:seconds={self.seconds:g}",
                  "delay": f"p={self.p:g}:seconds={self.seconds:g}",
@@ -195,8 +201,10 @@ def parse(spec: str) -> Fault:
     for key in ("stage", "rank", "step", "micro"):
         if key in values and values[key] < 0:
             raise _fail(spec, f"{key} must be >= 0", kind)
-    if "round" in values and values["round"] != 1:
-        raise _fail(spec, "round must be 1 (the first round from step on)", kind)
+    if "round" in values and values["round"] < 1:
+        raise _fail(spec, "round must be >= 1 (the N-th round from step on)", kind)
+    if "build" in values and (values["build"] != 1 or "round" not in values):
+        raise _fail(spec, "build=1 goes with round=N (it fires inside that round)", kind)
     if "round" in values and "micro" in values:
         raise _fail(spec, "give micro= (inside a step) or round=1 (inside a round), not both",
                     kind)
@@ -212,6 +220,8 @@ def parse(spec: str) -> Fault:
         values.setdefault("seconds", DEFAULT_PARTITION_S)
         if values["seconds"] <= 0:
             raise _fail(spec, "seconds must be > 0 (how long the link stays down)", kind)
+    if "build" in values:
+        values["build"] = bool(values["build"])
     return Fault(kind=kind, **{k: v for k, v in values.items()})  # type: ignore[arg-type]
 
 
@@ -494,15 +504,21 @@ class FaultPlan:
         self._sleep = sleep
         self._kill = kill or (lambda: os.kill(os.getpid(), signal.SIGKILL))
         self._fired: set[tuple[int, int]] = set()  # (fault index, step) of one-shot faults
+        self._rounds: dict[int, int] = {}  # round fault index -> rounds run from its step
         self.dry = dry  # only on_fire: a plan that logs another rank's faults (Stannis host)
 
-    def in_round(self, step: int) -> float:
-        """Fire this process's round faults (``round=1``) due by ``step``: called once
-        a round's decision is read, before the new generation is built. Returns the
-        seconds it slept; ``kill`` does not return."""
+    def in_round(self, step: int, at_build: bool = False) -> float:
+        """Fire this process's round faults (``round=N``) due by ``step``: called once a
+        round's decision is read (which counts the round), and again with ``at_build``
+        once the member heard it is to build (``build=1``). Returns the seconds it slept;
+        ``kill`` does not return."""
         slept = 0.0
         for i, f in enumerate(self.mine):
-            if f.round and step >= f.step and (i, -2) not in self._fired:
+            if not f.round or step < f.step or (i, -2) in self._fired:
+                continue
+            if not at_build:
+                self._rounds[i] = self._rounds.get(i, 0) + 1
+            if self._rounds.get(i, 0) >= f.round and f.build == at_build:
                 slept += self._kill_or_stall(f, step, (i, -2))
                 if f.kind == "kill":
                     return slept  # only reached when kill is replaced in tests

@@ -130,6 +130,12 @@ def from_group(world: Any, ranks: list[int], tag: str, wait_s: float | None = No
     make sure every member is there (ResPipe: ``Rounds._ready``), and this time limit
     is the last line, for a member that dies in between.
 
+    A build left blocked may also harm a later build of the same members (one failed
+    everywhere in 1 of 8 runs here), never one of other members (every run): callers
+    must not build the members of a blocked build again, and ResPipe never does (the
+    missing member is dead, or, stalled, completes the blocked build itself when it
+    comes back, and is then left out). docs/respipe.md has the measurements.
+
     What is returned is a duplicate of the communicator made from the group: Open MPI
     5.0's agreement (``Agree``) on a communicator made from a group keys its history on
     an identifier that all such communicators share ("removing old agreement (0.0).1

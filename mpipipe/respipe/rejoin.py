@@ -106,7 +106,7 @@ class Rejoin:
         False when the communicator could not be built (then the rank leaves)."""
         MPI = self.MPI
         try:
-            new = self._build(d, lambda step: self.faults.in_round(d.step))
+            new = self._build(d, lambda step, **at: self.faults.in_round(d.step, **at))
             ctl = new.Dup()
             ctl.Set_errhandler(MPI.ERRORS_RETURN)
             ft.agree(new, 1)

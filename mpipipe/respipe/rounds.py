@@ -251,7 +251,7 @@ class Rounds:
         self.gen += 1
         raise _RoundStarted(_Round("rebuild", -1, time.time()))
 
-    def _build(self, d: Decision, in_round: Callable[[int], float]) -> Any:
+    def _build(self, d: Decision, in_round: Callable[..., float]) -> Any:
         """The new generation's communicator, built by its members alone (a member's and an
         admitted rank's side alike); runs the round again (:meth:`_rebuild`) if a member
         did not come.
@@ -264,10 +264,11 @@ class Rounds:
         starts among members that all came.
         """
         since = time.perf_counter()
-        in_round(max(self.done, d.step))  # kill/stall ...:round=1
+        in_round(max(self.done, d.step))  # kill/stall ...:round=N
         watchdog.waiting(f"building generation {d.gen} with ranks {list(d.members)}")
         if not self._ready(d, since):
             self._rebuild(d, ft.BuildFailed("a member did not say it was there in time"))
+        in_round(max(self.done, d.step), at_build=True)  # ...:round=N:build=1
         try:
             new = ft.from_group(self.lobby.comm, sorted(d.members), d.comm_tag,
                                 wait_s=BUILD_WAIT_S)
