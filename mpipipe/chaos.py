@@ -234,7 +234,9 @@ def _fault(rng: random.Random, stage_ranks: list[int], backup_ranks: list[int], 
         if kind in ("kill", "stall") and rng.random() < 0.3 and (not on_backup or mode == "hot") \
         else ""
     if kind in ("kill", "stall") and not micro and earlier and rng.random() < 0.2:
-        micro = ":round=1"  # in the round an earlier fault starts: a fault during recovery
+        # In a round an earlier fault starts (or the one after it): a fault during
+        # recovery, before the member's READY or (build=1) after it, right before its build.
+        micro = f":round={rng.choice((1, 1, 2))}" + (":build=1" if rng.random() < 0.5 else "")
     if kind == "kill":
         return f"kill:{target}:step={step}{micro}"
     if kind == "stall":
