@@ -41,9 +41,10 @@ def _exact(runs, name: str, *settings: str) -> object:
     return run
 
 
-def _equals_failure_free(runs, run, ckpt: Path) -> None:
-    """Losses and parameters of the plain pipeline on the same steps (1e-5)."""
-    plain, plain_log, plain_ckpt = runs("plain", 3, "resilience.backups={}", ulfm=False)
+def _equals_failure_free(runs, run, ckpt: Path, stages: int = 3) -> None:
+    """Losses and parameters of the plain pipeline of ``stages`` on the same steps (1e-5)."""
+    plain, plain_log, plain_ckpt = runs(f"plain-{stages}", stages, f"pipeline.stages={stages}",
+                                        "resilience.backups={}", ulfm=False)
     assert plain.returncode == 0, plain.stderr[-3000:]
     want = open_log(plain_log).steps["loss"]
     assert max(abs(float(a) - float(b)) for a, b in zip(run.steps["loss"], want, strict=True)) <= 1e-5
@@ -185,13 +186,7 @@ def test_a_stage_behind_a_delayed_one_is_not_blamed(runs):
     run = _completed_once(result, log)
     assert not run.events_of("stage_lost")
     assert all(e["detail"]["stage"] != 2 for e in run.events_of("takeover")), run.events
-    plain, plain_log, plain_ckpt = runs("plain-4", 4, "pipeline.stages=4", "resilience.backups={}",
-                                        ulfm=False)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    want = open_log(plain_log).steps["loss"]
-    assert max(abs(float(a) - float(b)) for a, b in zip(run.steps["loss"], want, strict=True)) <= 1e-5
-    for got, ref in zip(_state(ckpt), _state(plain_ckpt), strict=True):
-        assert torch.allclose(got, ref, atol=1e-5, rtol=0)
+    _equals_failure_free(runs, run, ckpt, stages=4)
 
 
 @pytest.mark.timeout(600)
