@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import random
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,7 +237,10 @@ def _fault(rng: random.Random, stage_ranks: list[int], backup_ranks: list[int], 
     if kind in ("kill", "stall") and not micro and earlier and rng.random() < 0.2:
         # In a round an earlier fault starts (or the one after it): a fault during
         # recovery, before the member's READY or (build=1) after it, right before its build.
-        micro = f":round={rng.choice((1, 1, 2))}" + (":build=1" if rng.random() < 0.5 else "")
+        # Which of those comes from what is drawn already, not from rng: every other draw
+        # of a seed stays as it was before these were drawn.
+        h = zlib.crc32(f"{target}:{step}".encode())
+        micro = f":round={2 if h % 3 == 0 else 1}" + (":build=1" if h % 2 else "")
     if kind == "kill":
         return f"kill:{target}:step={step}{micro}"
     if kind == "stall":
