@@ -149,8 +149,9 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         recipe.make_optimizer(cfg, [torch.zeros(1, requires_grad=True)])  # fails here, not later
     except recipe.RecipeError as e:
         run.fail(e)
-    if run.log.active:  # what runs, read from the objects (docs/hdf5-log.md), as built
-        run.log.set_attr("recipe", recipe.describe(cfg, model, schedule, loss_fn))
+    # What runs, read from the objects (docs/hdf5-log.md), as built; written with the cut,
+    # once every check passed (a resume with nothing to resume leaves its log untouched).
+    made = recipe.describe(cfg, model, schedule, loss_fn) if run.log.active else None
     if cfg["pipeline"]["deferred_batch_norm"]:
         from mpipipe.pipeline.deferred_bn import defer_batch_norm
 
@@ -250,6 +251,8 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         ckpt = str(Path(log_path).with_suffix("")) + "-ckpt" if log_path else "checkpoints"
     setup_.checkpoint_dir = Path(ckpt) if ckpt else None
     run.log.set_attr("balance", balance)
+    if made is not None:
+        run.log.set_attr("recipe", made)
     if costs is not None:  # what the cut was made from (partition.automatic_balance cuts it again)
         run.log.set_attr("balance_costs", costs)
     return setup_
