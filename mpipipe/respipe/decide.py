@@ -61,7 +61,7 @@ def round_patience(silent: Sequence[int], late: Iterable[int], members: int, gra
     """
     if len(silent) >= members / 2:
         return 4 * grace
-    if any(w in set(unreplaceable) for w in silent):
+    if set(silent) & set(unreplaceable):
         return 2 * grace
     late, stages, dead = set(late), set(route), set(dead)
     plain = sum(w in stages for w in silent) <= 1 and not (dead & stages)
