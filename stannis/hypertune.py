@@ -475,6 +475,10 @@ class RetuneRule:
     plan. ``min_gain``, ``imbalance_threshold``: optional fixed bars on top
     (0: none). ``memory``: checks whose spreads are pooled (their median) per
     rank: a window of 5 steps alone gives a spread that is itself noisy.
+    ``confirm``: a move must pass the bar at two checks in a row (``every`` steps
+    apart), unless some rank runs :data:`SUDDEN_JUMP` times slower or faster than
+    its step model (then at once): a burst of other load on a shared machine lasts
+    a few steps, a real change stays.
     """
 
     every: int = 5
@@ -482,6 +486,7 @@ class RetuneRule:
     min_gain: float = 0.0
     imbalance_threshold: float = 0.0
     memory: int = 4
+    confirm: bool = True
 
     @property
     def window(self) -> int:
@@ -518,12 +523,14 @@ class Retuner:
     check (they do not overlap with the check's before): the spread of single
     steps within them (:func:`relative_spread`, pooled over the last ``memory``
     checks) and how far their median moved from the previous check's at the
-    same batch (:meth:`drift_of`, over the last ``4 memory`` checks). It scales
-    each step model to its smoothed time, tunes again, and moves only if the
-    predicted gain beats :func:`gain_threshold` for the ranks' standard errors. A move
-    that reverses the previous one within two checks is damped to half way
-    unless some rank changed speed (the step model is off in shape, not in
-    scale).
+    same batch (:meth:`drift_of`, over the last ``4 memory`` checks; every move
+    below :data:`SUDDEN_JUMP` counts). It scales each step model to its smoothed
+    time, tunes again, and moves only if the predicted gain beats
+    :func:`gain_threshold` for the ranks' standard errors at two checks in a row
+    (``rule.confirm``), or at one when a rank is :data:`SUDDEN_JUMP` times off its
+    model. A move that reverses the previous one within two checks is damped to
+    half way unless some rank changed speed (the step model is off in shape, not
+    in scale).
     """
 
     rule: RetuneRule = field(default_factory=RetuneRule)
@@ -535,10 +542,13 @@ class Retuner:
     previous: dict[int, tuple[int, float]] = field(default_factory=dict)
     last_change: list[int] = field(default_factory=list)
     last_change_step: int = -(10 ** 9)
+    #: (step, batches) of a move that passed the bar at the last check, not yet taken
+    pending: tuple[int, tuple[int, ...]] | None = None
 
     def restart(self, members: Sequence[int]) -> None:
         """A new plan is in force: judge the next decision on its steps only."""
         self.windows = {r: deque(maxlen=self.rule.window) for r in members}
+        self.pending = None
         for kept in (self.spreads, self.drifts, self.previous):
             for r in list(kept):
                 if r not in members:
@@ -592,10 +602,16 @@ class Retuner:
             sd = max(math.hypot(median_se(spread, len(older)), median_se(spread, every)), drift)
             changed = old > 0 and new > 0 and abs(math.log(new / old)) > z * sd
         last = self.previous.get(rank)
-        if not changed and last is not None and last[0] == batch and last[1] > 0 and new > 0:
-            # A change point is a change, not noise: it must not raise the bar that
-            # the move it calls for has to pass (early in a run, with few drifts
-            # recorded, one jump would dominate them).
+        if last is not None and last[0] == batch and last[1] > 0 and new > 0 and \
+                abs(math.log(new / last[1])) < math.log(SUDDEN_JUMP):
+            # Every move of the level enters the record, also one the test above calls
+            # a change: an emulated CSD's steps are nearly equal within a window, so
+            # its spread says "no noise" and every shift of its level looked like a
+            # change; left out, those shifts never entered the record, which stayed
+            # near 0 and called the next shift a change again (the bench re-tuned 4
+            # times per 100 steady steps that way). Only a sudden jump (a `slow`
+            # fault) is left out: it must not raise the bar that the move it calls for
+            # has to pass (early in a run one jump would dominate the record).
             self.drifts.setdefault(rank, deque(maxlen=4 * self.rule.memory)).append(
                 abs(math.log(new / last[1])))
         self.previous[rank] = (batch, new)
@@ -646,16 +662,37 @@ class Retuner:
         level = imbalance(observed)
         changed = sorted(r for r, x in smoothed.items() if x[2])
         changed_speed = sudden(factors) or bool(changed)
+        # Each rank's smoothed time over what its step model predicted at the last check:
+        # which rank's speed moved, and by how much.
         reason = (f"predicted gain {better:.1%} > {bar:.1%} (noise: z {z:.2f}, standard errors "
-                  f"{', '.join(f'{e:.1%}' for e in se)})")
+                  f"{', '.join(f'{e:.1%}' for e in se)}; times over the models "
+                  f"{', '.join(f'{k:.2f}' for k in factors)})")
         if better <= bar:
+            self.pending = None
             return Decision(fitted, None, reason.replace(" > ", " <= ", 1), better, bar,
                             changed_speed)
         if level <= rule.imbalance_threshold:
+            self.pending = None
             return Decision(fitted, None, f"imbalance {level:.2f} <= {rule.imbalance_threshold}",
                             better, bar, changed_speed)
         target = candidate.batches
         change = [t - b for t, b in zip(target, batches, strict=True)]
+        if rule.confirm:
+            # Hysteresis in time: a move passes the bar at two checks in a row, moving
+            # every rank the same way both times, unless a rank's speed jumped (a
+            # `slow` fault: then at once). A burst of other load that lasts a few steps
+            # passes once and is gone by the next check.
+            last = self.pending
+            if sudden(factors):
+                reason += f", a rank {SUDDEN_JUMP:g}x off its model: at once"
+            elif last is not None and step - last[0] <= rule.every and all(
+                    c * (p - b) >= 0 for c, p, b in zip(change, last[1], batches, strict=True)):
+                reason += f", confirmed (passed at step {last[0]} too)"
+            else:
+                self.pending = (step, tuple(target))
+                return Decision(fitted, None, reason + ", to be confirmed at the next check",
+                                better, bar, changed_speed)
+        self.pending = None
         recent = step - self.last_change_step <= 2 * rule.every
         reverses = any(c * p < 0 for c, p in zip(change, self.last_change, strict=False))
         if recent and reverses and not changed_speed:

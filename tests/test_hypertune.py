@@ -1,12 +1,14 @@
 """HyperTune's pure rules: fitting, equal step times, memory caps, objectives, LR."""
 
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stannis.hypertune import (
+    MAD_TO_SD,
     RankProfile,
     Retuner,
     RetuneRule,
@@ -356,18 +358,49 @@ BENCH_CSD = StepModel(0.016, 0.0016)
 BENCH_FIT = [StepModel(0.001, 0.00022)] + [StepModel(0.020, 0.0014)] * 4
 
 
+class _SharedMachine:
+    """Step-time noise as the bench's log shows it on a loaded 2-core machine.
+
+    The host: lognormal noise of 5% a step, and now and then (10% of steps) a burst of
+    other load that makes 3 to 8 steps 10-30% slower. An emulated CSD: nearly equal
+    steps (its stretch takes the least CPU time of its recent steps) whose level shifts
+    now and then (15% of steps) by a lognormal 6%, and stays there for a while.
+    """
+
+    def __init__(self, rng: random.Random, ranks: int) -> None:
+        self.rng = rng
+        self.burst = [0] * ranks
+        self.burst_k = [1.0] * ranks
+        self.level = [1.0] * ranks
+
+    def __call__(self, rank: int) -> float:
+        rng = self.rng
+        if rank == 0:
+            if self.burst[0] == 0 and rng.random() < 0.1:
+                self.burst[0] = rng.randint(3, 8)
+                self.burst_k[0] = 1.1 + 0.2 * rng.random()
+            k = self.burst_k[0] if self.burst[0] > 0 else 1.0
+            self.burst[0] = max(0, self.burst[0] - 1)
+            return k * rng.lognormvariate(0.0, 0.05)
+        if rng.random() < 0.15:
+            self.level[rank] = rng.lognormvariate(0.0, 0.06)
+        return self.level[rank] * rng.lognormvariate(0.0, 0.002)
+
+
 def _simulate(true: list[StepModel], fitted: list[StepModel], global_batch: int, steps: int,
               sigma: float, seed: int, slow: tuple[int, int] | None = None,
-              every: int = 5) -> tuple[list[tuple[int, list[int]]], list[RankProfile]]:
+              every: int = 5, shared: bool = False, factor: float = 2.0,
+              rule: RetuneRule | None = None) -> tuple[list[tuple[int, list[int]]],
+                                                       list[RankProfile]]:
     """Drive the host's Retuner as the trainer does, with seeded noisy step times.
 
-    Each step time is the rank's true time (x2 from ``slow = (rank, step)`` on) times
-    lognormal noise of ``sigma``, and 3% of steps wait up to 3x longer (a busy core).
+    Each step time is the rank's true time (x ``factor`` from ``slow = (rank, step)`` on) times
+    lognormal noise of ``sigma``, and 3% of steps wait up to 3x longer (a busy core);
+    with ``shared``, times the noise of :class:`_SharedMachine` instead of the lognormal.
     Returns every plan in force (step taken, batches) and the constrained profiles.
     """
-    import random
-
     rng = random.Random(seed)
+    machine = _SharedMachine(rng, len(true)) if shared else None
     ranks = list(range(len(true)))
     profiles = [RankProfile(m, 2048) for m in fitted]
 
@@ -376,12 +409,12 @@ def _simulate(true: list[StepModel], fitted: list[StepModel], global_batch: int,
 
     batches = list(tune(constrain(profiles), global_batch).batches)
     plans = [(0, batches)]
-    tuner = Retuner(RetuneRule(every=every))
+    tuner = Retuner(rule or RetuneRule(every=every))
     tuner.restart(ranks)
     for step in range(1, steps + 1):
         for r, (m, b) in enumerate(zip(true, batches, strict=True)):
-            k = 2.0 if slow is not None and r == slow[0] and step >= slow[1] else 1.0
-            t = k * m.time(b) * rng.lognormvariate(0.0, sigma)
+            k = factor if slow is not None and r == slow[0] and step >= slow[1] else 1.0
+            t = k * m.time(b) * (machine(r) if machine else rng.lognormvariate(0.0, sigma))
             if rng.random() < 0.03:
                 t *= 1.0 + 2.0 * rng.random()
             tuner.record(r, b, t)
@@ -441,3 +474,86 @@ def test_a_slow_down_early_in_the_run_is_followed_too() -> None:
         after = [(s, b) for s, b in plans if s >= 11]
         assert after and after[0][0] - 10 <= 10, (seed, plans)
         assert after[0][1][2] < 0.7 * plans[0][1][2], (seed, plans)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_steady_run_on_a_shared_machine_retunes_at_most_twice_per_100_steps(seed: int) -> None:
+    # The bench's noise (issue 37): host load bursts of a few steps, CSD levels that
+    # shift now and then and are flat in between. After the first 30 steps (the tune
+    # from the benchmark's first guess), at most 2 re-tunes per 100 steps.
+    true = [BENCH_HOST] + [BENCH_CSD] * 4
+    plans, _ = _simulate(true, BENCH_FIT, 1536, 330, 0.0, seed, shared=True)
+    late = [s for s, _ in plans if s > 30]
+    assert len(late) <= 2 * 300 / 100, plans
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_csd_that_slows_2x_on_a_shared_machine_is_followed_within_10_steps(seed: int) -> None:
+    true = [BENCH_HOST] + [BENCH_CSD] * 4
+    plans, _ = _simulate(true, BENCH_FIT, 1536, 200, 0.0, seed, slow=(2, 101), shared=True)
+    before = [b for s, b in plans if s < 101][-1]
+    after = [(s, b) for s, b in plans if s >= 101]
+    assert after and after[0][0] - 100 <= 10, plans
+    assert after[0][1][2] < 0.7 * before[2], plans
+
+
+def _drive(tuner: Retuner, profiles: list[RankProfile], batches: list[int], times: list[float],
+           steps: range) -> list[tuple[int, tuple[int, ...]]]:
+    """Feed exact step times (one per rank) for ``steps``; return the moves the tuner made."""
+    ranks = list(range(len(batches)))
+
+    def constrain(ps: list[RankProfile]) -> list[RankProfile]:
+        return ps
+
+    moves = []
+    for step in steps:
+        for r in ranks:
+            tuner.record(r, batches[r], times[r])
+        d = tuner.check(step, ranks, batches, profiles, constrain, sum(batches))
+        if d is not None:
+            profiles[:] = d.profiles
+            if d.target is not None:
+                moves.append((step, d.target))
+                batches[:] = d.target
+                tuner.restart(ranks)
+    return moves
+
+
+def test_a_move_that_passes_the_bar_once_waits_for_the_next_check() -> None:
+    # Host and one CSD in balance, no noise; then the host is 20% slower. One check
+    # that sees it is not enough (a burst of load passes once); the next one is.
+    models = [StepModel(0.0, 0.001), StepModel(0.0, 0.008)]
+    profiles = [RankProfile(m, 10_000) for m in models]
+    batches = [800, 100]
+    tuner = Retuner(RetuneRule())
+    tuner.restart([0, 1])
+    assert _drive(tuner, profiles, batches, [0.8, 0.8], range(1, 21)) == []
+    burst = _drive(tuner, profiles, batches, [0.96, 0.8], range(21, 26))  # 5 slow steps
+    assert burst == [] and tuner.pending is not None and tuner.pending[0] == 25
+    assert _drive(tuner, profiles, batches, [0.8, 0.8], range(26, 51)) == []  # it passed
+    moves = _drive(tuner, profiles, batches, [0.96, 0.8], range(51, 71))  # it stays
+    assert moves and moves[0][0] == 60 and moves[0][1][0] < 800
+
+
+def test_a_sudden_change_is_followed_at_once() -> None:
+    models = [StepModel(0.0, 0.001), StepModel(0.0, 0.008)]
+    profiles = [RankProfile(m, 10_000) for m in models]
+    batches = [800, 100]
+    tuner = Retuner(RetuneRule())
+    tuner.restart([0, 1])
+    assert _drive(tuner, profiles, batches, [0.8, 0.8], range(1, 21)) == []
+    moves = _drive(tuner, profiles, batches, [0.8, 1.6], range(21, 26))  # the CSD slows 2x
+    assert moves == [(25, moves[0][1])] and moves[0][1][1] < 60
+
+
+def test_a_shift_of_a_flat_level_counts_as_noise() -> None:
+    # An emulated CSD: equal steps, whose level shifts by 10% (its stretch base moved).
+    # The shift enters the drift record, so the next one is not taken for a change.
+    models = [StepModel(0.0, 0.001), StepModel(0.0, 0.008)]
+    profiles = [RankProfile(m, 10_000) for m in models]
+    tuner = Retuner(RetuneRule())
+    tuner.restart([0, 1])
+    batches = [800, 100]
+    for k, level in enumerate([0.8, 0.88, 0.8, 0.88, 0.8, 0.88]):
+        _drive(tuner, profiles, batches, [0.8, level], range(5 * k + 1, 5 * k + 6))
+    assert tuner.drift_of(1) == pytest.approx(MAD_TO_SD * math.log(1.1), rel=1e-6)
