@@ -190,6 +190,20 @@ def worker(args: argparse.Namespace) -> None:
             steady["retunes"].append((tr.step, reason))
 
     tr._plan_batches = counting
+    # Host: moves that passed the bar once in a steady phase (a re-tune waits for the next
+    # check to confirm it, hypertune.RetuneRule.confirm); those not confirmed are what the
+    # confirmation filtered out.
+    passed_once: list[tuple[int, str]] = []
+    check = tr.retuner.check
+
+    def watching(step: int, *a, **k):
+        decision = check(step, *a, **k)
+        if decision is not None and decision.target is None and steady["on"] and \
+                "to be confirmed" in decision.reason:
+            passed_once.append((step, decision.reason))
+        return decision
+
+    tr.retuner.check = watching
 
     def together(steps: int, tune: bool) -> dict | None:
         """Train ``steps`` steps of host + CSDs; the host gets the phase's figures.
@@ -319,6 +333,10 @@ def worker(args: argparse.Namespace) -> None:
         result["_detail"]["converge_retunes"] = len(steady["retunes"]) - len(late)
         result["_detail"]["converge_steps"] = first
         result["_detail"]["steady_retune_reasons"] = [f"step {s}: {r}" for s, r in steady["retunes"]]
+        taken = {s for s, _ in steady["retunes"]}
+        every = cfg["stannis"]["retune_every"]
+        result["_detail"]["steady_unconfirmed"] = [
+            f"step {s}: {r}" for s, r in passed_once if s > first and s + every not in taken]
         # The spread of single step times each rank's tuner saw last (the noise it allows for).
         result["_detail"]["step_spread"] = {r: round(tr.retuner.spread_of(r), 3)
                                             for r in tr.members}
@@ -472,7 +490,8 @@ def main() -> int:
         # Context figures besides the issue's keys: the machine's load and how much
         # slower the host computed beside the CSDs than alone.
         for key in ("load_avg", "host_interference", "host_only_cores", "tuned_cores",
-                    "steady_retunes", "steady_steps", "steady_retune_reasons", "step_spread", "floors", "tuned_plan",
+                    "steady_retunes", "steady_steps", "steady_retune_reasons", "steady_unconfirmed",
+                    "step_spread", "floors", "tuned_plan",
                     "converge_retunes", "converge_steps",
                     "first_retune_after_steps", "slow_phase_end_vs_ideal",
                     "retune_windows_invalid", "equal_ideal_sps", "host_only_spj_model"):
@@ -521,7 +540,8 @@ def main() -> int:
     print(f"  re-tunes with no fault: {detail['steady_retunes']} in {detail['steady_steps']} "
           f"tuned steps after the first {detail['converge_steps']} (retunes_per_100_steps "
           f"{result['retunes_per_100_steps']}); {detail['converge_retunes']} while converging "
-          f"({result['retunes_per_100_steps_from_start']} per 100 steps from the first plan on)")
+          f"({result['retunes_per_100_steps_from_start']} per 100 steps from the first plan on); "
+          f"{len(detail['steady_unconfirmed'])} moves passed the bar once and were not confirmed")
     print(f"  last tuned plan {detail['tuned_plan']}, batch floors {detail['floors']}")
     print("  samples/J are modelled (power model over each phase's wall time; RAPL not read)")
     return 0
