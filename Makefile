@@ -16,7 +16,7 @@ export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install test test-python test-mpi test-c test-stress test-slurm test-cluster chaos-quick examples demo bench lint clean
+.PHONY: install test test-long test-python test-mpi test-c test-stress test-slurm test-cluster chaos-quick examples demo bench lint clean
 
 install: $(STAMP)
 
@@ -29,8 +29,14 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 
 test: test-python test-mpi test-c
 
+# make test checks every feature once against its reference; the fault scenarios found by
+# campaigns and the variants of fast tests are marked `long` and run by make test-long
+# (.ci/run runs both).
 test-python: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/cluster tests
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/cluster -m "not long" tests
+
+test-long: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/cluster -m long tests
 
 test-mpi: $(STAMP)
 	timeout 1200 $(MPIRUN) -n 4 $(PY) -m pytest -q -p no:cacheprovider --with-mpi tests/mpi

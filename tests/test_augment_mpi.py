@@ -16,6 +16,9 @@ import torch
 
 from jobs import checkpoint_tensors, completed_once, make_runs
 
+# make test-long (.ci/run runs it): augmentation under kills, exact against its failure-free run.
+pytestmark = pytest.mark.long
+
 STEPS = 30
 ALL = 'resilience.backups="all"'
 AUGMENT = ('data.augment=["random_crop:1","hflip"]', "data.mean=[0.5]", "data.std=[0.25]")

@@ -14,6 +14,9 @@ import torch
 from jobs import checkpoint_tensors, completed_once, make_runs
 from mpipipe.core.runlog import open_log
 
+# make test-long (.ci/run runs it): scenarios found by fault campaigns, each replayed against its failure-free run.
+pytestmark = pytest.mark.long
+
 STEPS = 30
 ALL = 'resilience.backups="all"'
 

@@ -29,6 +29,9 @@ from mpipipe.core.launch import ROOT, kill_job, run_mpi, start_mpi
 from mpipipe.core.runlog import open_log
 from native.reader import read_all
 
+# make test-long (.ci/run runs it): stops by signal and by a damaged record, in every system.
+pytestmark = pytest.mark.long
+
 PIPELINE = ROOT / "jobs" / "configs" / "pipeline-digits.toml"
 RESPIPE = ROOT / "jobs" / "configs" / "respipe-digits.toml"
 STANNIS = ROOT / "jobs" / "configs" / "stannis-digits.toml"

@@ -134,6 +134,7 @@ def test_plain_run_console_and_one_throughput(digits: Path, tmp_path: Path) -> N
     assert [checkpoint.load_stage(tmp_path / "ck", k).balance for k in range(3)] == [balance] * 3
 
 
+@pytest.mark.long  # make test-long: console lines under faults
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("stage", [1, 0], ids=["stage-1", "stage-0-the-log-writer"])
 def test_respipe_prints_fault_takeover_and_evaluations_once(digits: Path, tmp_path: Path, stage: int) -> None:

@@ -20,6 +20,9 @@ import pytest
 from mpipipe.core.launch import ROOT, run_mpi
 from mpipipe.core.runlog import RunLog, open_log
 
+# make test-long (.ci/run runs it): faults aimed at backups and writers, and the log kept whole under them.
+pytestmark = pytest.mark.long
+
 RESPIPE = ROOT / "jobs" / "configs" / "respipe-digits.toml"
 PIPELINE = ROOT / "jobs" / "configs" / "pipeline-digits.toml"
 STANNIS = ROOT / "jobs" / "configs" / "stannis-digits.toml"

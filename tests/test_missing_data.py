@@ -191,6 +191,7 @@ def mpirun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                        *args], timeout=timeout)
 
 
+@pytest.mark.long  # make test-long: two failing starts and a run
 @pytest.mark.timeout(300)
 def test_a_rerun_after_a_failed_start_needs_no_overwrite(digits: Path, tmp_path: Path) -> None:
     log = tmp_path / "run.h5"

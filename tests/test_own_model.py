@@ -161,6 +161,7 @@ def test_respipe_without_failure_and_with_a_kill_cold_r1_and_hot_equals_the_refe
         assert len(run.events_of("takeover")) == (0 if name == "respipe" else 1)
 
 
+@pytest.mark.long  # make test-long: a variant of a fast test
 @pytest.mark.timeout(900)
 def test_deferred_batch_norm_commits_once_a_step_in_the_pipeline_and_after_kills(runs, digits):
     deferred = ("pipeline.deferred_batch_norm=true",)
@@ -173,6 +174,7 @@ def test_deferred_batch_norm_commits_once_a_step_in_the_pipeline_and_after_kills
         _equals_reference(digits, result, log, ckpt, deferred=True)
 
 
+@pytest.mark.long  # make test-long: a variant of a fast test
 @pytest.mark.timeout(900)
 def test_a_kill_under_r5_stays_within_the_documented_loss(runs):
     result, log, _ = runs("cold-r5", 6, 'resilience.backups="all"', "resilience.replicate_every=5",
@@ -186,6 +188,7 @@ def test_a_kill_under_r5_stays_within_the_documented_loss(runs):
     assert 0 <= takeover["detail"]["lost_updates"] <= 4  # at most R - 1 updates of stage 1
 
 
+@pytest.mark.long  # make test-long: a variant of a fast test
 @pytest.mark.timeout(900)
 def test_a_resumed_run_continues_as_if_never_stopped(runs, digits):
     # The first run stops at step 6 of 12: a schedule of the run's length (OneCycleLR)

@@ -91,6 +91,7 @@ def _params(directory: Path, stages: int) -> dict[str, torch.Tensor]:
     return merged
 
 
+@pytest.mark.long  # make test-long: stop and resume (ResPipe's resume is in make test)
 @pytest.mark.timeout(240)
 def test_stop_and_resume_ends_where_an_uninterrupted_run_ends(digits, tmp_path):
     common = [*_data(digits), "--set", "pipeline.stages=2",

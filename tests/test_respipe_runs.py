@@ -90,16 +90,20 @@ NEIGHBOUR = (NO_BACKUP, 'resilience.mode="neighbour"', "resilience.replicate_eve
 # v = 2 chunks per stage: rank k runs chunks k and k + 3 of LeNet's 12 layers
 INTERLEAVED = ('pipeline.schedule="interleaved-1f1b"', "pipeline.balance=[2, 2, 2, 2, 2, 2]",
                "pipeline.chunks=6")
+# make test checks plain, cold R=1 and hot R=1; make test-long (.ci/run) every other variant
+LONG = pytest.mark.long
 PLAIN = ("plain", "interleaved")  # runs of the plain loop (no ULFM, no backups)
 BYTE_RUNS = [
     ("plain", 3, (NO_BACKUP,)),
-    ("interleaved", 3, (NO_BACKUP, *INTERLEAVED)),
-    ("interleaved-cold-r1", 4, (ONE_BACKUP, "resilience.replicate_every=1", *INTERLEAVED)),
+    pytest.param("interleaved", 3, (NO_BACKUP, *INTERLEAVED), marks=LONG),
+    pytest.param("interleaved-cold-r1", 4, (ONE_BACKUP, "resilience.replicate_every=1", *INTERLEAVED),
+                 marks=LONG),
     ("cold-r1", 4, (ONE_BACKUP, "resilience.replicate_every=1")),
-    ("cold-r10", 4, (ONE_BACKUP, "resilience.replicate_every=10")),
+    pytest.param("cold-r10", 4, (ONE_BACKUP, "resilience.replicate_every=10"), marks=LONG),
     ("hot-r1", 4, (ONE_BACKUP, "resilience.replicate_every=1", 'resilience.mode="hot"')),
-    ("hot-r10", 4, (ONE_BACKUP, "resilience.replicate_every=10", 'resilience.mode="hot"')),
-    ("neighbour-clean", 3, NEIGHBOUR),
+    pytest.param("hot-r10", 4, (ONE_BACKUP, "resilience.replicate_every=10", 'resilience.mode="hot"'),
+                 marks=LONG),
+    pytest.param("neighbour-clean", 3, NEIGHBOUR, marks=LONG),
 ]
 
 
@@ -203,6 +207,7 @@ def test_interleaved_under_cold_respipe_equals_plain_and_survives_a_kill(runs):
                 assert (got[key] - want[key]).abs().max().item() <= 1e-5, (other.name, key)
 
 
+@pytest.mark.long  # make test-long: a variant of a fast test
 @pytest.mark.timeout(600)
 def test_hot_and_neighbour_modes_refuse_interleaved_in_one_line(runs):
     for mode, ranks, backups in (("hot", 4, ONE_BACKUP), ("neighbour", 3, NO_BACKUP)):
@@ -239,8 +244,8 @@ HOT = (ONE_BACKUP, "resilience.replicate_every=10", 'resilience.mode="hot"')
     ("kill", ONE_BACKUP, "kill:stage=1:step=7:micro=2"),
     ("stall", ONE_BACKUP, "stall:stage=1:step=7:micro=1:seconds=4"),
     # stage 0 reads x, sends the labels and writes the log; the last stage takes them
-    ("kill-first", "resilience.backups={0 = 1}", "kill:stage=0:step=7:micro=2"),
-    ("kill-last", "resilience.backups={2 = 1}", "kill:stage=2:step=7:micro=0"),
+    pytest.param("kill-first", "resilience.backups={0 = 1}", "kill:stage=0:step=7:micro=2", marks=LONG),
+    pytest.param("kill-last", "resilience.backups={2 = 1}", "kill:stage=2:step=7:micro=0", marks=LONG),
 ])
 def test_a_hot_backup_takes_over_in_the_middle_of_a_step_without_replay(runs, name, backups,
                                                                          fault):
@@ -267,6 +272,7 @@ def test_a_hot_backup_takes_over_in_the_middle_of_a_step_without_replay(runs, na
             assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
 
 
+@pytest.mark.long  # make test-long: a variant of a fast test
 @pytest.mark.timeout(600)
 def test_a_replaced_rank_rejoins_as_a_backup_and_takes_over_again(runs):
     # Stage 0 straggles 0.25 s every step so that the run outlasts rank 1's stall: rank 1
@@ -304,8 +310,8 @@ def test_a_replaced_rank_rejoins_as_a_backup_and_takes_over_again(runs):
     # (Known: under heavy load this deadline also takes a busy live stage for late; and at
     # three median steps, where ULFM reports the death while the round builds its
     # communicator, 1 run in 10 hung: docs/respipe.md, "Known gaps".)
-    ("kill-late", "kill:stage=0:step=7", "resilience.deadline_factor=1.0"),
-    ("stall", "stall:stage=0:step=7:seconds=4", "resilience.deadline_factor=0"),
+    pytest.param("kill-late", "kill:stage=0:step=7", "resilience.deadline_factor=1.0", marks=LONG),
+    pytest.param("stall", "stall:stage=0:step=7:seconds=4", "resilience.deadline_factor=0", marks=LONG),
 ])
 def test_the_log_moves_to_a_survivor_when_its_writer_is_killed_or_replaced(runs, name, fault,
                                                                              detect):
@@ -373,6 +379,7 @@ def test_a_killed_writer_without_backup_still_leaves_a_closed_log_naming_the_sta
     assert list(run.steps["step"])[:4] == [1, 2, 3, 4]
 
 
+@pytest.mark.long  # make test-long: a variant of a fast test
 @pytest.mark.timeout(600)
 def test_a_resumed_run_with_backups_gives_them_the_checkpoint_and_equals_a_clean_run(runs):
     # Hot mode, R=10: the first run stops at step 12 (stage 2 has no backup) with

@@ -16,6 +16,9 @@ from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 from mpipipe.pipeline.plan import pipeline_plan
 from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
+# make test-long (.ci/run runs it): spare ranks beside the plan.
+pytestmark = pytest.mark.long
+
 CONFIG = ROOT / "jobs" / "configs" / "respipe-digits.toml"
 # As given on the command line: one --set per role ([plan] is a free-form table).
 SPARES = ["plan.stage 0=0", "plan.stage 1=1", "plan.stage 2=2", "plan.spare 1=3", "plan.spare 2=4"]

@@ -64,6 +64,7 @@ def _final_accuracy(run) -> float:
     return float(run.eval["accuracy"][-1])
 
 
+@pytest.mark.long  # make test-long: two trainings to 95%
 @pytest.mark.timeout(900)
 def test_tuned_batches_reach_95_percent_like_equal_batches(tuned_and_equal) -> None:
     tuned_runs, equal_runs = tuned_and_equal
@@ -210,6 +211,7 @@ def _pid_of_rank(rank: int, marker: str) -> int | None:
     return None
 
 
+@pytest.mark.long  # make test-long: a fault variant
 @pytest.mark.timeout(240)
 def test_csd_killed_during_the_benchmark_is_dropped_and_the_rest_start_over(
         data: Path, tmp_path: Path) -> None:

@@ -10,6 +10,9 @@ SCRIPT = """
 import os, signal, torch
 from mpi4py import MPI
 from mpipipe.core.transport import ACT, PeerFailed, Transport
+
+# make test-long (.ci/run runs it): the transport under ULFM with a killed peer and a timed-out job.
+pytestmark = pytest.mark.long
 comm = MPI.COMM_WORLD
 t = Transport(comm)
 comm.Barrier()

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# make test-long (.ci/run runs it): the watchdog ending stuck jobs (it waits out its own limits).
+pytestmark = pytest.mark.long
+
 SCRIPT = textwrap.dedent("""
     import os, sys, threading, time
     from pathlib import Path
