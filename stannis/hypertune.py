@@ -579,6 +579,11 @@ class Retuner:
         drift with the machine's load).
         """
         past = self.drifts.get(rank)
+        if past is None or len(past) < self.rule.memory:
+            # Too few moves of its own: one of them would be the whole estimate (a move
+            # of 1.4x at the first checks made the bar 85% in an MPI test, and a CSD
+            # slowed 5x was not followed). Until then, the moves of every rank, pooled.
+            past = [d for kept in self.drifts.values() for d in kept]
         return MAD_TO_SD * statistics.median(past) if past else 0.0
 
     def _smoothed(self, rank: int, batch: int, z: float) -> tuple[float, float, bool] | None:
