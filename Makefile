@@ -79,7 +79,7 @@ examples: $(STAMP)
 test-slurm: $(STAMP)
 	bash tests/slurm/run.sh
 
-# The emulated cluster (mpipipe.core.testbed): root only; installs iproute2/util-linux if missing.
+# The emulated cluster (mpipipe.tools.emulator): root only; installs iproute2/util-linux if missing.
 test-cluster: $(STAMP)
 	test -d data/digits || $(PY) -m native.convert digits data/digits
 	test -f data/stannis-digits/split.json || $(PY) -m stannis prepare

@@ -2,7 +2,7 @@
 
     flock /run/mpt-session.lock python bench/cluster.py [--json] [--quick]
 
-Each node of the testbed (mpipipe/core/testbed.py) is a network namespace with its own link
+Each node of the testbed (mpipipe/tools/emulator.py) is a network namespace with its own link
 shaped by ``tc tbf`` (rate only: no delay or loss), a cgroup CPU quota and cores of its own
 (``Testbed.cores``: here n0, n2, n4, n6 on core 0 and n1, n3, n5 on core 1; the Stannis host
 alone on core 0, its CSDs on core 1), so a rank's compute is the same in every run whatever
@@ -79,10 +79,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench import resilience as rsl  # noqa: E402
 from bench import stannis as sbench  # noqa: E402
-from mpipipe.core import testbed  # noqa: E402
-from mpipipe.core.launch import mpirun_env, run_mpi  # noqa: E402
-from mpipipe.core.testbed import Node, Testbed  # noqa: E402
 from mpipipe.respipe import costmodel  # noqa: E402
+from mpipipe.tools import emulator  # noqa: E402
+from mpipipe.tools.emulator import Node, Testbed  # noqa: E402
+from mpipipe.tools.launch import mpirun_env, run_mpi  # noqa: E402
 
 SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
 CPU = 0.28  # cores per ResPipe node: 7 x 0.28 = 1.96 of this 2-core machine
@@ -113,7 +113,7 @@ R = rsl.R  # the ResPipe jobs' replication interval where the issue says R=10
 # Open MPI's launcher failing before any rank starts (seen once in 55 jobs): the job is
 # run once more, and the bench says so (``relaunched``). The cause found, stale session
 # files of a killed job under a pid that came round again, is gone since every job has
-# a TMPDIR of its own (mpipipe.core.launch.start_mpi); the retry stays as a guard.
+# a TMPDIR of its own (mpipipe.tools.launch.start_mpi); the retry stays as a guard.
 LAUNCH_FLAKE = "PMIx server's listener thread failed to start"
 
 
@@ -124,7 +124,7 @@ def respipe_testbed(link_mbit: float) -> Testbed:
 
 def stannis_testbed() -> Testbed:
     """A host node (1 core, 1000 Mbit/s, rank 0) and 4 CSD nodes, as jobs/testbed/stannis-csd.toml."""
-    return testbed.load(ROOT / "jobs" / "testbed" / "stannis-csd.toml")
+    return emulator.load(ROOT / "jobs" / "testbed" / "stannis-csd.toml")
 
 
 def settings(mode: str, r: int = R) -> tuple[str, ...]:
@@ -189,7 +189,7 @@ class Bench:
 
 
 def _steps(log: Path) -> tuple[list[int], list[float]]:
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     try:
         run = open_log(log)
@@ -268,7 +268,7 @@ def respipe_grid(bench: Bench, size: dict[str, Any]) -> Times:
 
     for rate in sorted(size["rates"], key=lambda x: x != 100):  # 100 Mbit/s first
         tb = respipe_testbed(rate)
-        with testbed.running(tb):
+        with emulator.running(tb):
             if rate == 100:
                 for i in range(size["repeat"]):  # interleaved, so that a slow minute hits all three
                     for mode in ("plain", "cold", "hot"):
@@ -300,7 +300,7 @@ def overheads(times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any
 
 def cost_time(bench: Bench, times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any]:
     """Predicted against measured failure-free step time for every ResPipe run of the grid."""
-    from mpipipe.core.config import load_config
+    from mpipipe.core.run.configfile import load_config
     from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
     cfg = load_config(str(ROOT / "jobs" / "configs" / "respipe-digits.toml"),
@@ -355,7 +355,7 @@ def node_kill(bench: Bench, size: dict[str, Any]) -> dict[str, Any]:
     recovery, lost_respipe, lost_updates, lost_base, outcomes = [], [], [], [], []
     paced_respipe, paced_base, paced_clean = [], [], []
     spare = [n.name for n in tb.nodes if n.name != KILL_NODE]
-    with testbed.running(tb):
+    with emulator.running(tb):
         for i in range(size["repeat"]):
             # Each kill run against a failure-free run of the same job made just before it
             # on the same testbed, for ResPipe as for the baseline: the grid's runs were
@@ -419,7 +419,7 @@ def ship_worker(args: argparse.Namespace) -> None:
     import torch
     from mpi4py import MPI
 
-    from mpipipe.core.models import build_model
+    from mpipipe.core.run.models import build_model
     from stannis.data import BatchStream, open_split
 
     comm = MPI.COMM_WORLD
@@ -487,7 +487,7 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
     tb = stannis_testbed()
     out: dict[str, Any] = {}
     ship, tuned = [], []
-    with testbed.running(tb):
+    with emulator.running(tb):
         for i in range(bench.repeat):
             result = work / f"ship-{i}.json"
             proc = bench.mpi(f"ship-{i}", 1 + sbench.CSDS,
@@ -613,7 +613,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     times: Times = {}
     if args.only in (None, "link"):
         tb = respipe_testbed(100)
-        with testbed.running(tb):
+        with emulator.running(tb):
             figures.update(link_rate(bench, tb, 6 if args.quick else 12))
     if args.only in (None, "respipe"):
         times = respipe_grid(bench, size)
@@ -659,14 +659,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.ship_worker:
         ship_worker(args)
         return 0
-    testbed.check_supported()
+    emulator.check_supported()
     with tempfile.TemporaryDirectory(prefix="cluster-bench-") as tmp:
         work = (Path(args.keep) if args.keep else Path(tmp)) / time.strftime("%Y%m%d-%H%M%S")
         work.mkdir(parents=True, exist_ok=False)
         try:
             figures = measure(args, work)
         finally:
-            testbed.down()
+            emulator.down()
     times = {tuple(k.split("/")): v for k, v in figures.pop("_times").items()}
     png = plot({(m, int(r), float(rate)): v for (m, r, rate), v in times.items()}, figures, Path(args.plot))
     figures["plot"] = str(png) if png else None

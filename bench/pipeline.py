@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpipipe.core.launch import run_mpi  # noqa: E402
+from mpipipe.tools.launch import run_mpi  # noqa: E402
 
 K = 2  # stages (one rank each) for every parallel figure
 V = 2  # chunks per rank of the interleaved schedule
@@ -57,7 +57,7 @@ RESNET18 = "examples/resnet18_respipe.py:ResNet18"  # a user's model, by its fac
 def _model_and_batch(args: argparse.Namespace):
     import torch
 
-    from mpipipe.core import recipe
+    from mpipipe.core.run import recipe
     from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
     )
 
     from mpipipe import Pipeline
-    from mpipipe.core.transport import ACT, Transport
+    from mpipipe.core.mpi.transport import ACT, Transport
     from mpipipe.pipeline.partition import split
 
     torch.set_num_threads(1)

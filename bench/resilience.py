@@ -16,7 +16,7 @@ because the machine is shared and noisy:
   plain pipeline's, minus 1; the fastest of `--repeat` interleaved runs of each,
   so that other processes slowing a whole job do not count. The plain pipeline
   runs with the same world size (``baseline_ranks``: its 3 stages and 3 spare
-  ranks that idle outside the route, mpipipe/core/spare.py), so the overhead does not
+  ranks that idle outside the route, mpipipe/core/mpi/spare.py), so the overhead does not
   count fewer processes sharing the cores as a saving. ``*_median`` give the
   former figure (median step time, which with R=10 never sees a replica) for
   comparison
@@ -63,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpipipe.core.launch import mpirun_env, run_mpi  # noqa: E402
+from mpipipe.tools.launch import mpirun_env, run_mpi  # noqa: E402
 
 BATCH = 32
 TARGET = 0.90  # accuracy for the time-to-accuracy figures
@@ -103,7 +103,7 @@ def _train(work: Path, name: str, ranks: int, steps: int, *settings: str,
 
 
 def _median_step_s(log: Path) -> float:
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     t = open_log(log).steps["time"]
     return statistics.median(b - a for a, b in zip(t[:-1], t[1:], strict=True))
@@ -111,7 +111,7 @@ def _median_step_s(log: Path) -> float:
 
 def _wall_per_sample(log: Path) -> float:
     """Seconds per sample over the whole run: the inverse of the summary's samples/s."""
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     summary = json.loads(open_log(log).attrs["summary"])
     return 1.0 / summary["samples_per_s"]
@@ -119,7 +119,7 @@ def _wall_per_sample(log: Path) -> float:
 
 def _compute_per_sample(log: Path) -> float:
     """The stages' compute seconds per sample, summed over the stages (the log's compute_s)."""
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     run = open_log(log)
     total = sum(float(sum(cols["compute_s"])) for cols in run.ranks.values())
@@ -127,14 +127,14 @@ def _compute_per_sample(log: Path) -> float:
 
 
 def _final_accuracy(log: Path) -> float:
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     acc = open_log(log).eval["accuracy"]
     return float(acc[-1]) if len(acc) else math.nan
 
 
 def _time_to(log: Path, target: float) -> float:
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     run = open_log(log)
     t0 = float(run.steps["time"][0]) if len(run.steps["time"]) else 0.0
@@ -145,14 +145,14 @@ def _time_to(log: Path, target: float) -> float:
 
 
 def _event(log: Path, kind: str) -> dict:
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     found = open_log(log).events_of(kind)
     return found[0]["detail"] if found else {}
 
 
 def _outcome(result: subprocess.CompletedProcess, log: Path) -> str:
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     run = open_log(log)
     steps = int(run.steps["step"][-1]) if len(run.steps["step"]) else 0
@@ -270,7 +270,7 @@ def plot(logs: dict[str, Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for ax, names, title in (

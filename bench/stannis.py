@@ -49,7 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpipipe.core.launch import run_mpi  # noqa: E402
+from mpipipe.tools.launch import run_mpi  # noqa: E402
 
 SHAPE = (3, 32, 32)
 CSDS = 4
@@ -113,7 +113,7 @@ energy = "model"
 def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
-    from mpipipe.core.cli import start_run
+    from mpipipe.core.run.cli import start_run
     from stannis.config import STANNIS_CHOICES, STANNIS_DEFAULTS, emulation, stannis_plan
     from stannis.csd import Stretch
     from stannis.energy import PowerModel
@@ -307,7 +307,7 @@ def worker(args: argparse.Namespace) -> None:
     slow_step = tr.step + 1  # the first slowed step (1-based, as in the log)
     # Through the trainer's own fault plan: `_one_step` sets the stretch from it every
     # step, so changing the stretch directly would be undone at the next step.
-    from mpipipe.core.faults import parse_all
+    from mpipipe.core.mpi.faults import parse_all
     fault = parse_all([f"slow:rank={SLOW_RANK}:step={tr.step}:factor=2"])[0]
     tr.faults.all.append(fault)
     if rank == SLOW_RANK:

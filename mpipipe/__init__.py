@@ -29,9 +29,9 @@ def __getattr__(name: str) -> Any:
 
 
 def sequential(model: nn.Module, example_input: torch.Tensor | None = None) -> nn.Sequential:
-    """`model` as a flat nn.Sequential a pipeline can cut (see mpipipe.core.chain.sequential).
+    """`model` as a flat nn.Sequential a pipeline can cut (see mpipipe.core.run.chain.sequential).
 
     A function here, importing torch on the call, so that `import mpipipe` stays light."""
-    from mpipipe.core.chain import sequential as chain_sequential
+    from mpipipe.core.run.chain import sequential as chain_sequential
 
     return chain_sequential(model, example_input)

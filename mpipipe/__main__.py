@@ -1,7 +1,7 @@
 """`python -m mpipipe COMMAND`: the one entry point of the pipeline system.
 
 Commands: train, cost, plan (a dry run: how the model is cut into stages), report, chaos,
-defaults.
+testbed (the emulated cluster), linkprobe (throughput between ranks), defaults.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from mpipipe import chaos, cost, package_version, plan_command, report, train_command
+from mpipipe import cost, linkprobe_command, package_version, plan_command, report, train_command
+from mpipipe.respipe import chaos
+from mpipipe.tools import emulator
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,13 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan_command.add_parser(sub)
     report.add_parser(sub)
     chaos.add_parser(sub)
+    emulator.add_parser(sub)
+    linkprobe_command.add_parser(sub)
     defaults = sub.add_parser("defaults", help="print the default configuration as TOML")
     defaults.set_defaults(func=_print_defaults)
     return parser
 
 
 def _print_defaults(args: argparse.Namespace) -> int:
-    from mpipipe.core.config import dump_toml
+    from mpipipe.core.run.configfile import dump_toml
     from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 
     print(dump_toml(PIPELINE_DEFAULTS), end="")

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core.api import Result, TrainingFailed, run_command, shared_log_path, stage_states
-from mpipipe.core.config import ConfigError, load_config
+from mpipipe.core.run.configfile import ConfigError, load_config
+from mpipipe.core.run.python_api import Result, TrainingFailed, run_command, shared_log_path, stage_states
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
 __all__ = ["train", "Result", "TrainingFailed"]
@@ -37,7 +37,7 @@ def train(config: str | Path | Mapping[str, Any] | None = None, *, model: Any = 
         settings: ``KEY=VALUE`` overrides, as ``--set`` takes them.
 
     Returns:
-        A :class:`~mpipipe.core.api.Result`; on the rank that wrote the log its metrics
+        A :class:`~mpipipe.core.run.python_api.Result`; on the rank that wrote the log its metrics
         and the final whole-model ``state_dict`` in your model's names.
 
     Raises:

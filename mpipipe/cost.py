@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mpipipe.core.cli import add_dry_run_arguments
+from mpipipe.core.run.cli import add_dry_run_arguments
 from mpipipe.respipe.costmodel import DEFAULT_R, MODES, shapes_from_config, trade_off
 
 __all__ = ["add_parser", "cost_main", "format_table"]
@@ -64,8 +64,8 @@ def cost_main(args: Any) -> int:
     import json
     import sys
 
-    from mpipipe.core.config import ConfigError, load_config
-    from mpipipe.core.roles import PlanError
+    from mpipipe.core.mpi.roles import PlanError
+    from mpipipe.core.run.configfile import ConfigError, load_config
     from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
     from mpipipe.pipeline.plan import backup_counts
 

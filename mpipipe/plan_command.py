@@ -4,10 +4,10 @@ Why: a pipeline run only says how it cut the model once MPI is up and every rank
 built it; a factory that fx cannot trace, a balance that does not add up or a stage
 that is far heavier than the others should be seen before asking a cluster for ranks.
 This command builds the model exactly as a training run does (same configuration
-loader, seed and :func:`mpipipe.core.recipe.build_model`), cuts it with the run's
+loader, seed and :func:`mpipipe.core.run.recipe.build_model`), cuts it with the run's
 partitioner, and prints every layer of the chain and, per stage, its layers, parameter
 count, buffer bytes, the activation bytes it sends on and the exact bytes of its replica
-(:func:`mpipipe.core.statecodec.layout_of`, the size of the message a backup receives).
+(:func:`mpipipe.core.state.statecodec.layout_of`, the size of the message a backup receives).
 It needs no MPI and never imports mpi4py.
 
 When ``pipeline.balance`` is empty the cut is the run's own: the dry run calls the
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mpipipe.core.cli import add_dry_run_arguments
+from mpipipe.core.run.cli import add_dry_run_arguments
 
 __all__ = ["StagePlan", "ModelPlan", "add_parser", "plan_main", "build_plan", "format_plan"]
 
@@ -64,7 +64,7 @@ class ModelPlan:
     model: str
     input_shape: list[int]
     input_bytes: int
-    layers: list[str]  # one line per layer (mpipipe.core.chain.describe)
+    layers: list[str]  # one line per layer (mpipipe.core.run.chain.describe)
     layer_params: list[int]
     num_stages: int
     chunks_per_stage: int
@@ -103,11 +103,11 @@ def _in_shape(cfg: Mapping[str, Any], arg: str | None) -> tuple[int, int, int]:
         if len(shape) != 3 or min(shape) < 1:
             raise ValueError(f"--in-shape {arg!r}: give three positive integers C,H,W, e.g. 1,8,8")
         return shape  # type: ignore[return-value]
-    from mpipipe.core import data
+    from mpipipe.core.run import batches
 
     try:
-        return data.image_shape(cfg["data"]["path"])
-    except data.DataError as e:
+        return batches.image_shape(cfg["data"]["path"])
+    except batches.DataError as e:
         raise ValueError(f"{e} (or pass --in-shape C,H,W)") from None
 
 
@@ -156,9 +156,9 @@ def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Model
     """
     import torch
 
-    from mpipipe.core import recipe
-    from mpipipe.core.chain import describe
-    from mpipipe.core.statecodec import layout_of
+    from mpipipe.core.run import recipe
+    from mpipipe.core.run.chain import describe
+    from mpipipe.core.state.statecodec import layout_of
     from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.partition import split, stage_modules
     from mpipipe.respipe.costmodel import stage_shapes
@@ -316,7 +316,7 @@ def add_parser(subparsers: Any) -> Any:
 
 def plan_main(args: Any) -> int:
     """Body of ``python -m mpipipe plan``; exit status 2 with one line on any bad input."""
-    from mpipipe.core.config import load_config
+    from mpipipe.core.run.configfile import load_config
     from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
     try:

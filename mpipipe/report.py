@@ -24,7 +24,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from mpipipe.core.logplot import (
+from mpipipe.core.logs.logschema import RECIPE, EventKind
+from mpipipe.core.logs.logschema import required as required_columns
+from mpipipe.core.logs.progress import THROUGHPUT
+from mpipipe.core.logs.progress import throughput as _throughput
+from mpipipe.core.logs.runlog import LogError, RunData, open_for_reading, open_log
+from mpipipe.tools.logplot import (
     EVENT_STYLES,
     LINESTYLES,
     MAX_MARKED,
@@ -40,18 +45,13 @@ from mpipipe.core.logplot import (
     roles,
     save,
 )
-from mpipipe.core.logschema import RECIPE, EventKind
-from mpipipe.core.logschema import required as required_columns
-from mpipipe.core.progress import THROUGHPUT
-from mpipipe.core.progress import throughput as _throughput
-from mpipipe.core.runlog import LogError, RunData, open_for_reading, open_log
 
 __all__ = ["load_run", "summarize", "recipe_lines", "compare", "plot_runs", "plot_tradeoff", "add_parser",
            "main"]
 
 PROG = "mpipipe report"
 
-# Columns a log must hold once its group has any rows (mpipipe/core/logschema.py).
+# Columns a log must hold once its group has any rows (mpipipe/core/logs/logschema.py).
 _REQUIRED = {group: required_columns(group) for group in ("steps", "eval", "ranks")}
 _EVENT_COLUMNS = required_columns("events")
 
@@ -153,7 +153,7 @@ def last_step(run: RunData) -> int:
 
 def throughput(run: RunData) -> float:
     """The run's samples/s, as the summary line and the progress display give it:
-    :func:`mpipipe.core.progress.throughput` of the log's ``time`` and ``samples`` columns
+    :func:`mpipipe.core.logs.progress.throughput` of the log's ``time`` and ``samples`` columns
     (samples of steps 2..n over the wall seconds from step 1 to step n)."""
     t = as_float(run.steps.get("time", np.array([])))
     s = as_float(run.steps.get("samples", np.array([])))
@@ -289,7 +289,7 @@ def classes_line(names: Sequence[str]) -> str:
     return f"classes: {', '.join(names[:MAX_CLASSES_SHOWN])}, ... ({len(names)} in all)"
 
 
-# How a part of the recipe came to the run (its "source", mpipipe.core.logschema.RECIPE).
+# How a part of the recipe came to the run (its "source", mpipipe.core.logs.logschema.RECIPE).
 _SOURCES = {"object": "given to train()", "builder": "built by the function given to train()",
             "factory": "model.factory", "shipped": "shipped", "config": "from the configuration"}
 
@@ -640,7 +640,7 @@ def _plot_ranks(runs: Sequence[RunData], labels: list[str], path: Path) -> Path:
 
 def plots_for(system: str) -> SystemPlots | None:
     """The plots a system draws for its own runs: those that the module ``<system>.plots``
-    registers (mpipipe.core.logplot) when imported here, by the name the log gives in its
+    registers (mpipipe.tools.logplot) when imported here, by the name the log gives in its
     ``system`` attribute. None if the system has no such module.
 
     Raises:

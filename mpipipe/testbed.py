@@ -1,11 +1,14 @@
-"""`python -m mpipipe.testbed`: the emulated cluster's command (up, run, exec, down, status,
-mpirun-args). The testbed itself lives in :mod:`mpipipe.core.testbed`, under the launchers."""
+"""`python -m mpipipe.testbed ...`: an alias of `python -m mpipipe testbed ...`, kept for one release.
+
+The emulated cluster's command is a subcommand of `python -m mpipipe` now; the emulator
+itself is :mod:`mpipipe.tools.emulator`.
+"""
 
 from __future__ import annotations
 
 import sys
 
-from mpipipe.core.testbed import main
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from mpipipe.__main__ import main
+
+    sys.exit(main(["testbed", *sys.argv[1:]]))

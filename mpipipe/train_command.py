@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mpipipe.core.cli import add_train_arguments, planned_steps, start_run
+from mpipipe.core.run.cli import add_train_arguments, planned_steps, start_run
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from mpipipe.pipeline.plan import pipeline_plan
 from mpipipe.pipeline.schedule import SCHEDULES
@@ -51,14 +51,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _ulfm() -> bool:
-    from mpipipe.core.ft import ulfm_enabled
+    from mpipipe.core.mpi.ft import ulfm_enabled
 
     return ulfm_enabled()
 
 
 def main(args: argparse.Namespace) -> int:
     """Body of `python -m mpipipe train`: set up the run, then train (plain or ResPipe)."""
-    from mpipipe.core.spare import set_aside
+    from mpipipe.core.mpi.spare import set_aside
 
     run = start_run(args, prog=PROG, system="mpipipe", defaults=PIPELINE_DEFAULTS,
                     choices=PIPELINE_CHOICES, build_plan=pipeline_plan,

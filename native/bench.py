@@ -191,7 +191,7 @@ def run(
 
 
 def _lenet(num_classes: int = 10) -> Any:
-    """LeNet-5 for 3x32x32, as the project's model zoo builds it (mpipipe.core.models.lenet).
+    """LeNet-5 for 3x32x32, as the project's model zoo builds it (mpipipe.core.run.models.lenet).
     Written out here because native imports nothing of mpipipe (tests/test_layers.py)."""
     from torch import nn
 

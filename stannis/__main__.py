@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mpipipe.core.cli import add_train_arguments
+from mpipipe.core.run.cli import add_train_arguments
 from mpipipe.core.version import package_version
 
 
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _defaults() -> str:
-    from mpipipe.core.config import dump_toml
+    from mpipipe.core.run.configfile import dump_toml
 
     from .config import STANNIS_DEFAULTS
 

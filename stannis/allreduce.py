@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpipipe.core.statecodec import pack_state, unpack_state
-from mpipipe.core.transport import pause
+from mpipipe.core.mpi.transport import pause
+from mpipipe.core.state.statecodec import pack_state, unpack_state
 
 from .config import BUCKET_BYTES, EXCHANGES
 
@@ -20,7 +20,7 @@ from .config import BUCKET_BYTES, EXCHANGES
 def broadcast_state(comm: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     steps_taken: int, root: int = 0) -> None:
     """Give every rank ``root``'s whole model state (parameters and buffers) and optimizer
-    state, in one buffer ``Bcast`` (:func:`mpipipe.core.statecodec.pack_state`).
+    state, in one buffer ``Bcast`` (:func:`mpipipe.core.state.statecodec.pack_state`).
 
     Why the optimizer state too: after a CSD is dropped the survivors restart from
     the host's state; with its momentum (or Adam moments) they continue the same

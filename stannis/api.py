@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core.api import Result, run_command, shared_log_path
+from mpipipe.core.run.python_api import Result, run_command, shared_log_path
 
 __all__ = ["train"]
 
@@ -20,11 +20,11 @@ def train(config: str | Path | Mapping[str, Any] | None = None, *, model: Any = 
     """Train on this rank (the host, rank 0, or a CSD); call it on every rank of the job.
 
     The arguments are :func:`mpipipe.train`'s (Stannis keeps no checkpoints: no resume).
-    The host's :class:`~mpipipe.core.api.Result` holds the metrics and the final
+    The host's :class:`~mpipipe.core.run.python_api.Result` holds the metrics and the final
     ``state_dict`` in your model's names.
 
     Raises:
-        mpipipe.core.api.TrainingFailed: the run did not complete.
+        mpipipe.core.run.python_api.TrainingFailed: the run did not complete.
     """
     from stannis.trainer import main
 

@@ -3,7 +3,7 @@
 Rank 0 is also the host, the fastest trainer: every millisecond it spends
 appending rows to the HDF5 log (about 10-50 ms per step with five ranks on a
 busy machine) is a millisecond every CSD waits at the next gradient exchange.
-The writes go through the one `mpipipe.core.runlog.RunLog`, in order, from a thread
+The writes go through the one `mpipipe.core.logs.runlog.RunLog`, in order, from a thread
 that runs while torch computes (torch releases the GIL), and consecutive steps
 are written together every quarter second (one resize per dataset for all of
 them: about 6 ms of CPU per step with five ranks when written one by one).
@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any
 
-from mpipipe.core.logschema import check_columns, event_kind
-from mpipipe.core.runlog import RunLog
+from mpipipe.core.logs.logschema import check_columns, event_kind
+from mpipipe.core.logs.runlog import RunLog
 
 
 class BackgroundLog:

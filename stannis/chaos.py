@@ -11,7 +11,7 @@ alone against docs/stannis.md:
 - ``host-lost``: the host was killed; the survivors end with one error line and the
   rows the host wrote stay readable (the host writes the log, so it cannot close it);
 - ``refused``: one line at start-up;
-- otherwise HANG, CRASH, WRONG or UNEXPECTED (see :mod:`mpipipe.core.chaos`).
+- otherwise HANG, CRASH, WRONG or UNEXPECTED (see :mod:`mpipipe.tools.campaign`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import argparse
 import random
 from pathlib import Path
 
-from mpipipe.core import chaos
-from mpipipe.core.chaos import Job, Scenario, Verdict
+from mpipipe.tools import campaign
+from mpipipe.tools.campaign import Job, Scenario, Verdict
 
 __all__ = ["main", "add_arguments", "judge"]
 
@@ -31,19 +31,19 @@ STALL_S = (1, 2, 4, 8)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    chaos.add_chaos_arguments(parser, runs=12)
+    campaign.add_chaos_arguments(parser, runs=12)
     parser.add_argument("--host-kills", type=float, default=0.1, metavar="P",
                         help="share of scenarios that kill the host too (default 0.1)")
 
 
 class _Campaign:
     def __init__(self, args: argparse.Namespace) -> None:
-        from mpipipe.core.config import load_config
+        from mpipipe.core.run.configfile import load_config
 
         from .config import STANNIS_CHOICES, STANNIS_DEFAULTS
 
         self.args = args
-        self.config = chaos.config_path(args.config)
+        self.config = campaign.config_path(args.config)
         self.cfg = load_config(self.config, args.set, STANNIS_DEFAULTS, STANNIS_CHOICES)
         self.csds = int(self.cfg["stannis"]["csds"])
         if self.csds < 1:
@@ -54,11 +54,11 @@ class _Campaign:
             raise ValueError(f"--host-kills {args.host_kills}: give a share between 0 and 1")
         self.retune = int(self.cfg["stannis"]["retune_every"])
         # On a testbed: the node of each rank, in launch order.
-        self.testbed, self.slots = chaos.testbed_slots(args, 1 + self.csds)
+        self.testbed, self.slots = campaign.testbed_slots(args, 1 + self.csds)
 
     def draw(self, rng: random.Random, index: int) -> Scenario:
-        from mpipipe.core.config import load_config
-        from mpipipe.core.faults import FaultError, check_nodes, check_reachable, parse_all
+        from mpipipe.core.mpi.faults import FaultError, check_nodes, check_reachable, parse_all
+        from mpipipe.core.run.configfile import load_config
 
         from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, stannis_plan
 
@@ -74,9 +74,9 @@ class _Campaign:
         nodes = sorted(set(self.slots[1:world]) - set(self.slots[:1]))
         for i in range(rng.choice((1, 1, 2, 2, 3))):
             for _attempt in range(20):
-                if nodes and not (kill_host and i == 0) and rng.random() < chaos.NODE_FAULT_P:
+                if nodes and not (kill_host and i == 0) and rng.random() < campaign.NODE_FAULT_P:
                     # no partition: Stannis finds a lost CSD by ULFM only (docs/stannis.md)
-                    spec = chaos.node_fault(rng, nodes, n, partition=False)
+                    spec = campaign.node_fault(rng, nodes, n, partition=False)
                 else:
                     spec = self._fault(rng, n, faults, host=kill_host and i == 0)
                 try:
@@ -87,7 +87,7 @@ class _Campaign:
                     continue
                 faults.append(spec)
                 break
-        targets = chaos.hit_ranks(faults, hosts, lambda f: f.rank)
+        targets = campaign.hit_ranks(faults, hosts, lambda f: f.rank)
         knobs = {"CSDs": self.csds, "N": n, "retune_every": self.retune, "world": world}
         return Scenario(index, world, sets, faults, knobs,
                         {"targets": targets, "host_killed": any(
@@ -116,24 +116,24 @@ class _Campaign:
         if not hasattr(self, "clean_s"):
             # The failure-free run's time sets every run's limit.
             log = folder / "clean.h5"
-            argv = chaos.python_argv("stannis", config=self.config, sets=sc.sets, faults=[],
+            argv = campaign.python_argv("stannis", config=self.config, sets=sc.sets, faults=[],
                                      log=log)
-            job = chaos.run_job(sc.world, argv, log=log, timeout=900, testbed=self.testbed)
+            job = campaign.run_job(sc.world, argv, log=log, timeout=900, testbed=self.testbed)
             if job.rc != 0:
-                raise chaos.reference_failed(job, "the failure-free run")
+                raise campaign.reference_failed(job, "the failure-free run")
             self.clean_s = job.wall_s
         log = folder / f"run-{sc.index}.h5"
-        argv = chaos.python_argv("stannis", config=self.config, sets=sc.sets, faults=sc.faults,
+        argv = campaign.python_argv("stannis", config=self.config, sets=sc.sets, faults=sc.faults,
                                  log=log)
         timeout = self.args.timeout_factor * self.clean_s + \
-            chaos.fault_time(sc.faults, int(sc.knobs["N"])) + 60.0
-        job = chaos.run_job(sc.world, argv, log=log, timeout=timeout, testbed=self.testbed)
+            campaign.fault_time(sc.faults, int(sc.knobs["N"])) + 60.0
+        job = campaign.run_job(sc.world, argv, log=log, timeout=timeout, testbed=self.testbed)
         return job, judge(sc, job)
 
 
 def judge(sc: Scenario, job: Job) -> Verdict:
     """The verdict of one Stannis run from its exit, output and log and its fault list."""
-    run, verdict = chaos.first_verdict(job)
+    run, verdict = campaign.first_verdict(job)
     if verdict is not None:
         return verdict
     status = str(run.attrs.get("status", ""))
@@ -144,12 +144,12 @@ def judge(sc: Scenario, job: Job) -> Verdict:
                                          f"{len(lines)} line(s) naming it")
         if not status.startswith("failed: the host"):
             return Verdict("CRASH", f"the host was killed and the log says {status[:120]!r}")
-        gaps = chaos.rows_once(run, None)
+        gaps = campaign.rows_once(run, None)
         return Verdict("WRONG", gaps) if gaps else Verdict("host-lost", status[:120])
     if status != "completed" or job.rc != 0:
         return Verdict("CRASH" if status in ("", "running") else "UNEXPECTED",
                        f"exit {job.rc}, log status {status[:160]!r}")
-    gaps = chaos.rows_once(run, int(sc.knobs["N"]))
+    gaps = campaign.rows_once(run, int(sc.knobs["N"]))
     if gaps:
         return Verdict("WRONG", gaps)
     dropped = {int(e["rank"]) for e in run.events_of("csd_dropped")}
@@ -161,4 +161,4 @@ def judge(sc: Scenario, job: Job) -> Verdict:
 
 
 def main(args: argparse.Namespace) -> int:
-    return chaos.main(args, system="stannis", build=_Campaign)
+    return campaign.main(args, system="stannis", build=_Campaign)

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core.faults import FaultError, parse_all
-from mpipipe.core.lr import SCHEDULES
-from mpipipe.core.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS
-from mpipipe.core.roles import LaunchPlan, PlanError, Role, RoleKind, register_role_kind
+from mpipipe.core.mpi.faults import FaultError, parse_all
+from mpipipe.core.mpi.roles import LaunchPlan, PlanError, Role, RoleKind, register_role_kind
+from mpipipe.core.run.lr import SCHEDULES
+from mpipipe.core.run.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS
 
 from .csd import CsdProfile
 from .energy import SOURCES
@@ -45,7 +45,7 @@ STANNIS_DEFAULTS: dict[str, dict[str, Any]] = {
         "public_to_csds": 0.0,  # share of the public train set also stored on (split over) CSDs
         # random ops on each rank's batches, in order: "random_crop:P", "hflip", "vflip"; [] =
         # none. A sample's draws depend only on (run.seed, the rank's epoch, its record in its
-        # data set), so a replay sees the same sample (mpipipe.core.data.transforms)
+        # data set), so a replay sees the same sample (mpipipe.core.run.batches.transforms)
         "augment": [],
         "mean": [],  # per-channel normalization (x/255 - mean) / std, train and test; [] = none
         "std": [],  # one value per channel each, or both []

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import native
-from mpipipe.core.data import DataError, TransformError, bad_label, damaged
+from mpipipe.core.run.batches import DataError, TransformError, bad_label, damaged
 
 __all__ = ["DataError", "open_split", "to_tensors", "BatchStream"]
 
@@ -39,7 +39,7 @@ def open_split(directory: str | Path) -> Any:
 
 
 def to_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images as float32 (uint8 scaled to [0, 1], as mpipipe.core.data does) and labels as int64."""
+    """Images as float32 (uint8 scaled to [0, 1], as mpipipe.core.run.batches does) and labels as int64."""
     image = batch["image"]
     x = torch.from_numpy(np.ascontiguousarray(image))
     x = x.float().div_(255.0) if image.dtype == np.uint8 else x.float()
@@ -50,7 +50,7 @@ def to_tensors(batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor
 class BatchStream:
     """Batches of any size from one or more (reader, record indices) parts, reshuffled per epoch.
 
-    ``augment`` (from ``mpipipe.core.data.transforms(cfg["data"], seed=run.seed)``): random
+    ``augment`` (from ``mpipipe.core.run.batches.transforms(cfg["data"], seed=run.seed)``): random
     ops and normalization applied to each part's records as read. A sample is identified
     by (its data set, its record number in that data set), and its draws are a pure
     function of (run seed, this stream's epoch when it was drawn, that record number):

@@ -1,7 +1,7 @@
 """Stannis's own report plots: batch size and samples per joule per rank.
 
 ``mpipipe report`` draws what every run log has; for a log whose ``system`` is
-``stannis`` it imports this module (mpipipe.core.logplot.plots_for), which registers
+``stannis`` it imports this module (mpipipe.tools.logplot.plots_for), which registers
 :func:`plot_stannis`. Why here: the plots read Stannis's own columns (``batch_size``,
 ``joules``) and events (``energy_source``), so they change with Stannis, not with the
 report; and Stannis may import the core only, not the report command.
@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mpipipe.core.logplot import (
+from mpipipe.core.logs.logschema import EventKind
+from mpipipe.core.logs.runlog import RunData
+from mpipipe.tools.logplot import (
     LINESTYLES,
     SystemPlots,
     as_float,
@@ -27,8 +29,6 @@ from mpipipe.core.logplot import (
     roles,
     save,
 )
-from mpipipe.core.logschema import EventKind
-from mpipipe.core.runlog import RunData
 
 __all__ = ["plot_stannis"]
 

@@ -14,13 +14,14 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpipipe.core import ft, recipe, stop, watchdog
-from mpipipe.core.cli import Run, start_run
-from mpipipe.core.data import DataFault, label_range_ok, test_batches, transforms
-from mpipipe.core.faults import FaultPlan, parse_all
-from mpipipe.core.logschema import EventKind
-from mpipipe.core.lr import decay
-from mpipipe.core.runlog import LogError
+from mpipipe.core.logs.logschema import EventKind
+from mpipipe.core.logs.runlog import LogError
+from mpipipe.core.mpi import ft, stop, watchdog
+from mpipipe.core.mpi.faults import FaultPlan, parse_all
+from mpipipe.core.run import recipe
+from mpipipe.core.run.batches import DataFault, label_range_ok, test_batches, transforms
+from mpipipe.core.run.cli import Run, start_run
+from mpipipe.core.run.lr import decay
 
 from .allreduce import BufferAverage, WeightedAllreduce, broadcast_state
 from .audit import AuditedComm
@@ -52,7 +53,7 @@ STEP_FIGURES = ("compute_s", "batch_size", "loss_sum", "busy_s")
 LATE_FIGURES = ("wait_s", "joules", "bytes_sent", "bytes_recv", "mpi_bytes", "unaudited_bytes")
 FIGURES = STEP_FIGURES + LATE_FIGURES
 FIG_BYTES = 8 * len(FIGURES)
-STOP_BYTES = 8  # the step's stop code (mpipipe.core.stop), reduced with the gradients
+STOP_BYTES = 8  # the step's stop code (mpipipe.core.mpi.stop), reduced with the gradients
 # Start-up phases (benchmark, first plan) a job tries before it gives up: each failed
 # one dropped a dead CSD or hit an MPI error that a shrink did not explain.
 START_ATTEMPTS = 4
@@ -416,7 +417,7 @@ class Trainer:
         """Recover, and recover again if another rank fails during the recovery.
 
         ``agreed``: the caller has just taken part in an agreement on this communicator
-        (the end of a phase, :func:`mpipipe.core.ft.agreed_phase`), which stands for the recovery's own.
+        (the end of a phase, :func:`mpipipe.core.mpi.ft.agreed_phase`), which stands for the recovery's own.
         """
         for attempt in range(attempts):
             try:
@@ -432,7 +433,7 @@ class Trainer:
 
         Every way into a recovery takes part in exactly one agreement before the shrink:
         here (after the revoke, which makes every other survivor fail out of whatever it
-        waits in) or, with ``agreed``, at the end of a phase (:func:`~mpipipe.core.ft.agreed_phase`). So a
+        waits in) or, with ``agreed``, at the end of a phase (:func:`~mpipipe.core.mpi.ft.agreed_phase`). So a
         rank that recovers from an error inside the last step and a rank that finished
         that step and agreed on the end of training meet in the same agreement, then in
         the same shrink, instead of waiting in different collectives for ever.
@@ -742,7 +743,7 @@ class Trainer:
         joules = sum(t["joules"] for t in self.totals.values()) if len(sources) == 1 else math.nan
         summary = {
             "steps": self.step, "samples": samples, "seconds": elapsed,
-            "samples_per_s": self.run.progress.samples_per_s, "energy_sources": sources,  # mpipipe.core.progress
+            "samples_per_s": self.run.progress.samples_per_s, "energy_sources": sources,  # mpipipe.core.logs.progress
             "joules": joules, "samples_per_joule": samples / joules if joules else 0.0,
             "accuracy": accuracy, "loss": getattr(self, "last_loss", math.nan),
             "final_batches": dict(zip(self.members, self.batches, strict=True)),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from mpipipe.core.launch import ROOT, mpirun_env
+from mpipipe.tools.launch import ROOT, mpirun_env
 
 # Property tests: no per-example deadline and no too_slow health check (Hypothesis's
 # defaults, 200 ms an example and about 1 s for the first draws, are timings: on a loaded

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from mpipipe.core.launch import run_mpi
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
+from mpipipe.tools.launch import run_mpi
 
 
 def make_runs(respipe_args: Callable[..., list[str]], base: Path, steps: int,

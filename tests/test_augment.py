@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import native
-from mpipipe.core import data
-from mpipipe.core.config import ConfigError, load_config
+from mpipipe.core.run import batches
+from mpipipe.core.run.configfile import ConfigError, load_config
 from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 
 RECORDS = 200
@@ -186,14 +186,14 @@ def test_without_augment_mean_std_the_batches_are_todays_bit_for_bit(cifarish):
     assert torch.equal(torch.from_numpy(native.Augment().apply(every_byte, [0], 0)), today)
     assert torch.equal(torch.from_numpy(native.Augment().normalize(every_byte)), today)
     # the readers themselves keep the old path
-    plain = data.TrainBatches(cifarish, 32, seed=4)
+    plain = batches.TrainBatches(cifarish, 32, seed=4)
     ds = native.open_dataset(cifarish / "train")
     for _ in range(8):
         x, y = plain.next()
         want = torch.from_numpy(ds.read(y.numpy())["image"]).float().div_(255.0)
         assert x.dtype == torch.float32 and torch.equal(x, want)
     ds.close()
-    test = np.concatenate([x.numpy() for x, _ in data.test_batches(cifarish, 16)])
+    test = np.concatenate([x.numpy() for x, _ in batches.test_batches(cifarish, 16)])
     assert np.array_equal(test, torch.from_numpy(_all(cifarish, "test")).float().div_(255.0).numpy())
 
 
@@ -218,9 +218,9 @@ def test_bad_ops_are_one_line_errors_naming_the_op_and_the_known_ones(ops, named
     assert isinstance(e.value, ValueError)
     # through the configuration: a ConfigError (and a DataError) naming the key
     cfg = load_config(None, [f"data.augment={ops!r}".replace("'", '"')], PIPELINE_DEFAULTS)
-    with pytest.raises(data.TransformError) as e2:
-        data.transforms(cfg["data"])
-    assert isinstance(e2.value, ConfigError) and isinstance(e2.value, data.DataError)
+    with pytest.raises(batches.TransformError) as e2:
+        batches.transforms(cfg["data"])
+    assert isinstance(e2.value, ConfigError) and isinstance(e2.value, batches.DataError)
     assert str(e2.value).startswith("data.augment = ") and "\n" not in str(e2.value)
 
 
@@ -232,20 +232,20 @@ def test_bad_ops_are_one_line_errors_naming_the_op_and_the_known_ones(ops, named
     ([0.5, 0.5], [0.2, 0.2], (3, 8, 8), "have 2 values each but the images have 3 channels"),
 ])
 def test_bad_mean_and_std_are_one_line_errors(mean, std, shape, words):
-    with pytest.raises(data.TransformError) as e:
-        data.transforms({"augment": [], "mean": mean, "std": std}, shape)
+    with pytest.raises(batches.TransformError) as e:
+        batches.transforms({"augment": [], "mean": mean, "std": std}, shape)
     assert words in str(e.value) and "\n" not in str(e.value) and "data.mean" in str(e.value)
 
 
 @pytest.mark.timeout(60)
 def test_the_channel_count_is_checked_when_the_data_set_is_known(cifarish):
-    with pytest.raises(data.TransformError,
+    with pytest.raises(batches.TransformError,
                        match=r"^data\.mean, data\.std: mean and std have 1 value each but the images have 3 channels"):
-        data.TrainBatches(cifarish, 32, seed=0, mean=[0.5], std=[0.2])
-    with pytest.raises(data.TransformError, match="give P < 10"):
-        data.TrainBatches(cifarish, 32, seed=0, augment=["random_crop:10"])
-    with pytest.raises(data.TransformError):
-        next(data.test_batches(cifarish, 16, mean=[0.5], std=[0.2]))
+        batches.TrainBatches(cifarish, 32, seed=0, mean=[0.5], std=[0.2])
+    with pytest.raises(batches.TransformError, match="give P < 10"):
+        batches.TrainBatches(cifarish, 32, seed=0, augment=["random_crop:10"])
+    with pytest.raises(batches.TransformError):
+        next(batches.test_batches(cifarish, 16, mean=[0.5], std=[0.2]))
 
 
 # ---- the readers -------------------------------------------------------------------------
@@ -259,7 +259,7 @@ def _cfg(path: Path, **data_keys) -> dict:
 @pytest.mark.timeout(120)
 def test_train_batches_apply_the_pure_function_of_seed_epoch_and_record(cifarish):
     cfg = _cfg(cifarish, augment=["random_crop:4", "hflip"], mean=[0.5, 0.5, 0.5], std=[0.25, 0.2, 0.3])
-    reader = data.TrainBatches.from_config(cfg)
+    reader = batches.TrainBatches.from_config(cfg)
     aug = native.Augment(["random_crop:4", "hflip"], [0.5, 0.5, 0.5], [0.25, 0.2, 0.3], seed=5)
     raw = _all(cifarish, "train")
     per_epoch = len(reader)  # 200 // 24 = 8 batches: a record is read in epochs 0, 1 and 2
@@ -279,27 +279,27 @@ def test_train_batches_apply_the_pure_function_of_seed_epoch_and_record(cifarish
 def test_a_reader_resumed_with_seek_batch_gives_the_batches_of_one_that_read_through(cifarish, drop_last):
     kw = {"seed": 3, "drop_last": drop_last, "augment": ["random_crop:2", "vflip", "hflip"],
           "mean": [0.5, 0.4, 0.3], "std": [0.3, 0.3, 0.3]}
-    through = data.TrainBatches(cifarish, 24, **kw)
-    batches = [tuple(t.clone() for t in through.next()) for _ in range(3 * len(through))]
+    through = batches.TrainBatches(cifarish, 24, **kw)
+    expected = [tuple(t.clone() for t in through.next()) for _ in range(3 * len(through))]
     for start in (0, 5, len(through) - 1, len(through), 2 * len(through) + 3):
-        ahead = data.TrainBatches(cifarish, 24, **kw)
+        ahead = batches.TrainBatches(cifarish, 24, **kw)
         ahead.seek_batch(start)
-        for want_x, want_y in batches[start:start + 4]:
+        for want_x, want_y in expected[start:start + 4]:
             x, y = ahead.next()
             assert torch.equal(y, want_y) and torch.equal(x, want_x)
     # seek to a saved position (checkpoints): the same
-    again = data.TrainBatches(cifarish, 24, **kw)
+    again = batches.TrainBatches(cifarish, 24, **kw)
     for _ in range(len(through) + 2):
         again.next()
     pos = again.position
-    resumed = data.TrainBatches(cifarish, 24, **kw)
+    resumed = batches.TrainBatches(cifarish, 24, **kw)
     resumed.seek(*pos)
     assert all(torch.equal(a, b) for a, b in zip(resumed.next(), again.next(), strict=True))
 
 
 @pytest.mark.timeout(120)
 def test_float_images_digits_are_augmented_without_the_byte_scale(digits):
-    reader = data.TrainBatches(digits, 32, seed=0, augment=["random_crop:1", "hflip"], mean=[0.5], std=[0.25])
+    reader = batches.TrainBatches(digits, 32, seed=0, augment=["random_crop:1", "hflip"], mean=[0.5], std=[0.25])
     aug = native.Augment(["random_crop:1", "hflip"], [0.5], [0.25], seed=0)
     ds = native.open_dataset(digits / "train")
     order = native.Sampler(len(ds), seed=0).epoch_order(0, 32)
@@ -314,10 +314,10 @@ def test_float_images_digits_are_augmented_without_the_byte_scale(digits):
 @pytest.mark.timeout(60)
 def test_test_batches_normalize_but_do_not_augment(cifarish):
     mean, std = [0.5, 0.4, 0.3], [0.25, 0.2, 0.3]
-    got = np.concatenate([x.numpy() for x, _ in data.test_batches(cifarish, 16, mean=mean, std=std)])
+    got = np.concatenate([x.numpy() for x, _ in batches.test_batches(cifarish, 16, mean=mean, std=std)])
     want = native.Augment([], mean, std).normalize(_all(cifarish, "test"))
     assert np.array_equal(got, want)  # in order, every record once, never cropped or flipped
-    ys = np.concatenate([y.numpy() for _, y in data.test_batches(cifarish, 16, mean=mean, std=std)])
+    ys = np.concatenate([y.numpy() for _, y in batches.test_batches(cifarish, 16, mean=mean, std=std)])
     assert ys.tolist() == list(range(50))
 
 
@@ -325,7 +325,7 @@ def test_test_batches_normalize_but_do_not_augment(cifarish):
 def test_stannis_stream_gives_each_record_its_draws_whatever_the_batch_sizes(cifarish):
     from stannis.data import BatchStream, open_split
 
-    aug = data.transforms({"augment": ["random_crop:3", "hflip"], "mean": [0.5] * 3, "std": [0.25] * 3},
+    aug = batches.transforms({"augment": ["random_crop:3", "hflip"], "mean": [0.5] * 3, "std": [0.25] * 3},
                           seed=6)
     raw = _all(cifarish, "train")
 
@@ -348,6 +348,6 @@ def test_stannis_stream_gives_each_record_its_draws_whatever_the_batch_sizes(cif
         for epoch in (0, 1):
             want = aug.apply(raw[record:record + 1], [record], epoch)[0]
             assert np.array_equal(a[record][epoch], want) and np.array_equal(b[record][epoch], want)
-    with pytest.raises(data.TransformError, match="have 1 value each but the images have 3 channels"):
+    with pytest.raises(batches.TransformError, match="have 1 value each but the images have 3 channels"):
         BatchStream([(open_split(cifarish / "train"), np.arange(4))], seed=0,
-                    augment=data.transforms({"mean": [0.5], "std": [0.2]}))
+                    augment=batches.transforms({"mean": [0.5], "std": [0.2]}))

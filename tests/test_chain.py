@@ -1,4 +1,4 @@
-"""mpipipe.core.chain: any chain-shaped model as a flat nn.Sequential, bit for bit the model.
+"""mpipipe.core.run.chain: any chain-shaped model as a flat nn.Sequential, bit for bit the model.
 
 Every comparison is exact (torch.equal), never a tolerance: a chain runs the model's own
 operations in the model's order on the model's own parameters, so nothing may differ.
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpipipe.core.chain import ChainError, describe, sequential
+from mpipipe.core.run.chain import ChainError, describe, sequential
 from mpipipe.pipeline.partition import balance_by_params, check_balance, split
 
 # --- a torchvision-style ResNet-18, written here (torchvision is not installed) ---------------

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from mpipipe.__main__ import build_parser
-from mpipipe.core.chaos import Job, Scenario, parse_budget
-from mpipipe.core.launch import ROOT
+from mpipipe.tools.campaign import Job, Scenario, parse_budget
+from mpipipe.tools.launch import ROOT
 
 CONFIG = str(ROOT / "jobs" / "configs" / "respipe-digits.toml")
 
 
 def _campaign(*extra: str):
-    from mpipipe.chaos import _Campaign
+    from mpipipe.respipe.chaos import _Campaign
 
     return _Campaign(build_parser().parse_args(["chaos", "--config", CONFIG, *extra]))
 
@@ -31,9 +31,9 @@ def test_scenario_i_is_the_same_whatever_the_campaign_around_it():
 
 
 def test_every_drawn_fault_can_fire_and_every_kind_and_target_is_drawn():
-    from mpipipe.core.cli import check_faults
-    from mpipipe.core.config import load_config
-    from mpipipe.core.faults import parse_all
+    from mpipipe.core.mpi.faults import parse_all
+    from mpipipe.core.run.cli import check_faults
+    from mpipipe.core.run.configfile import load_config
     from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
     from mpipipe.pipeline.plan import pipeline_plan
 
@@ -73,14 +73,14 @@ def test_a_bad_budget_is_named():
     (["--stages", "1"], "at least 2 stages"),
 ])
 def test_bad_options_are_one_line(args, message):
-    from mpipipe.chaos import _Campaign
+    from mpipipe.respipe.chaos import _Campaign
 
     with pytest.raises(ValueError, match=message):
         _Campaign(build_parser().parse_args(["chaos", "--config", CONFIG, *args]))
 
 
 def _scenario(mode: str, faults: list[str], holders: dict[int, list[int]]) -> Scenario:
-    from mpipipe.core.faults import parse_all
+    from mpipipe.core.mpi.faults import parse_all
 
     targets = sorted({f.rank if f.rank is not None else f.stage for f in parse_all(faults)})
     return Scenario(0, 6, [], faults, {"K": 3, "mode": mode, "R": 1, "N": 20},
@@ -98,7 +98,7 @@ HOLDERS = {0: [0, 3], 1: [1, 4], 2: [2, 5]}
     ("neighbour", ["kill:stage=1:step=5", "kill:stage=2:step=8"], True),
 ])
 def test_a_lost_stage_is_allowed_only_when_every_holder_was_hit(mode, faults, allowed):
-    from mpipipe.chaos import _stage_may_be_lost
+    from mpipipe.respipe.chaos import _stage_may_be_lost
 
     assert _stage_may_be_lost(_scenario(mode, faults, HOLDERS)) is allowed
 
@@ -108,7 +108,7 @@ def _job(tmp_path: Path, rc: int | None, stderr: str = "") -> Job:
 
 
 def test_verdicts_without_a_log(tmp_path):
-    from mpipipe.chaos import _Reference, judge
+    from mpipipe.respipe.chaos import _Reference, judge
 
     sc = _scenario("cold", ["kill:stage=1:step=5"], HOLDERS)
     args = (tmp_path, _Reference([], []))
@@ -127,7 +127,7 @@ STANNIS = str(ROOT / "jobs" / "configs" / "stannis-digits.toml")
 
 def test_stannis_scenarios_hit_csds_at_retunes_and_now_and_then_the_host():
     import stannis.__main__ as cli
-    from mpipipe.core.config import load_config
+    from mpipipe.core.run.configfile import load_config
     from stannis.chaos import _Campaign
     from stannis.config import STANNIS_CHOICES, STANNIS_DEFAULTS, stannis_plan
 
@@ -154,16 +154,17 @@ def test_a_nan_loss_is_allowed_only_where_three_ranks_went_at_once(monkeypatch, 
     last stage and the loss keeper, killed at step 70)."""
     from types import SimpleNamespace
 
-    from mpipipe.core import chaos, testbed
+    from mpipipe.core.mpi import testbed_nodes
+    from mpipipe.tools import campaign, emulator
 
     run = SimpleNamespace(steps={"step": [1, 2, 3], "loss": [0.1, float("nan"), 0.3]})
-    assert "non-finite loss at steps [2]" in chaos.rows_once(run, 3)
-    assert chaos.rows_once(run, 3, frozenset({2, 3})) == ""
+    assert "non-finite loss at steps [2]" in campaign.rows_once(run, 3)
+    assert campaign.rows_once(run, 3, frozenset({2, 3})) == ""
     bed_file = tmp_path / "bed.toml"
     bed_file.write_text("".join(f'[nodes.{n}]\ncpu = 1.0\nlink_mbit = 1000\nslots = {k}\n'
                                 for n, k in (("a", 3), ("b", 3), ("c", 2), ("d", 2))))
-    bed = testbed.load(bed_file)
-    monkeypatch.setattr(testbed, "current", lambda: bed)
+    bed = emulator.load(bed_file)
+    monkeypatch.setattr(testbed_nodes, "node_hosts", lambda: frozenset(n.host for n in bed.nodes))
     camp = _campaign("--stages", "3,4", "--testbed", str(bed_file))
     sc = camp.draw(random.Random("7:2"), 2)
     assert sc.faults == ["node-kill:node=a:step=49", "node-kill:node=b:step=70"]

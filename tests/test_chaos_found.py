@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jobs import checkpoint_tensors, completed_once, make_runs
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
 
 # make test-long (.ci/run runs it): scenarios found by fault campaigns, each replayed against its failure-free run.
 pytestmark = pytest.mark.long
@@ -71,7 +71,7 @@ def test_a_backup_killed_before_a_replica_step_leaves_every_row(runs):
 def test_a_kill_and_a_stall_at_the_same_step_complete_exactly(runs):
     # One round leaves out a dead rank and a stalled one: Shrink waited for the stalled
     # rank, and Create_group on a parent with a dead member failed; the survivors now
-    # build the communicator from their group alone (mpipipe.core.ft.from_group).
+    # build the communicator from their group alone (mpipipe.core.mpi.ft.from_group).
     run = _exact(runs, "kill-and-stall", "resilience.deadline_s=1.5",
                  "inject:kill:stage=2:step=12", "inject:stall:stage=1:step=12:micro=1:seconds=3")
     assert {e["detail"]["stage"] for e in run.events_of("takeover")} == {1, 2}

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from mpipipe.__main__ import build_parser
-from mpipipe.core import chaos
-from mpipipe.core.chaos import Job
-from mpipipe.core.launch import ROOT, mpirun_env
+from mpipipe.tools import campaign
+from mpipipe.tools.campaign import Job
+from mpipipe.tools.launch import ROOT, mpirun_env
 
 RESPIPE = str(ROOT / "jobs" / "configs" / "respipe-digits.toml")
 STANNIS = str(ROOT / "jobs" / "configs" / "stannis-digits.toml")
@@ -30,13 +30,13 @@ def test_a_runs_first_error_line_names_it(tmp_path: Path) -> None:
     log = tmp_path / "ref.h5"
     stderr = ("noise from mpirun\nmpipipe train: error: data set x does not exist\n"
               "mpipipe train: error: data set x does not exist\nprterun: 2 ranks exited\n")
-    e = chaos.reference_failed(Job(2, 1.0, "", stderr, log))
+    e = campaign.reference_failed(Job(2, 1.0, "", stderr, log))
     assert str(e) == (f"the failure-free reference run failed (exit 2): data set x does not exist; "
                       f"the rest is in {tmp_path / 'ref.err'}")
     trace = "Traceback (most recent call last):\n  File \"x\", line 1\nKeyError: 'lr'\n"
-    assert ": KeyError: 'lr'; the rest" in str(chaos.reference_failed(Job(1, 1.0, "", trace, log)))
-    assert "(exit 9): it printed nothing on stderr;" in str(chaos.reference_failed(Job(9, 1.0, "", "", log)))
-    timed_out = str(chaos.reference_failed(Job(None, 1.0, "", "", log), "the failure-free run"))
+    assert ": KeyError: 'lr'; the rest" in str(campaign.reference_failed(Job(1, 1.0, "", trace, log)))
+    assert "(exit 9): it printed nothing on stderr;" in str(campaign.reference_failed(Job(9, 1.0, "", "", log)))
+    timed_out = str(campaign.reference_failed(Job(None, 1.0, "", "", log), "the failure-free run"))
     assert timed_out == (f"the failure-free run did not end within its time limit; its output is in "
                          f"{tmp_path / 'ref.err'}")
 
@@ -44,7 +44,7 @@ def test_a_runs_first_error_line_names_it(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_runs_start_in_the_callers_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    job = chaos.run_job(1, ["-c", "import os; print(os.getcwd())"], log=Path("job.h5"), timeout=90,
+    job = campaign.run_job(1, ["-c", "import os; print(os.getcwd())"], log=Path("job.h5"), timeout=90,
                         ulfm=False)
     assert job.rc == 0, job.stderr
     assert job.stdout.strip() == str(tmp_path)
@@ -54,7 +54,7 @@ def test_runs_start_in_the_callers_directory(tmp_path: Path, monkeypatch: pytest
 @pytest.mark.timeout(300)
 def test_a_relative_data_path_from_another_directory_makes_the_reference(
         digits: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpipipe.chaos import _Campaign
+    from mpipipe.respipe.chaos import _Campaign
 
     (tmp_path / "mine").symlink_to(digits, target_is_directory=True)
     monkeypatch.chdir(tmp_path)  # not the project's root: "mine" is only here

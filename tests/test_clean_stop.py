@@ -1,4 +1,4 @@
-"""The clean collective stop (mpipipe.core.stop) under real mpirun: data errors and stop signals.
+"""The clean collective stop (mpipipe.core.mpi.stop) under real mpirun: data errors and stop signals.
 
 A damaged record read mid-run (records are CRC-checked when first read, not when a
 shard is opened) or a label outside the model's classes stops every rank with one
@@ -25,8 +25,8 @@ import pytest
 
 import native
 from mpipipe import report
-from mpipipe.core.launch import ROOT, kill_job, run_mpi, start_mpi
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
+from mpipipe.tools.launch import ROOT, kill_job, run_mpi, start_mpi
 from native.reader import read_all
 
 # make test-long (.ci/run runs it): stops by signal and by a damaged record, in every system.
@@ -145,7 +145,7 @@ def test_a_label_out_of_range_in_an_old_data_set_is_a_data_error_when_read(digit
         manifest = json.loads(path.read_text())
         del manifest["ranges"]
         path.write_text(json.dumps(manifest))
-    from mpipipe.core import data as mdata
+    from mpipipe.core.run import batches as mdata
 
     assert "records no label range" in mdata.check_labels(data, 10)
     batches = mdata.TrainBatches(data, BATCH, seed=0, num_classes=10)
@@ -251,7 +251,7 @@ def test_sigusr1_to_mpirun_stops_the_pipeline_at_a_step_with_a_resumable_checkpo
     assert 5 <= step < 2000
     # The reader's position is the one after step S's batch, not after the batch read for
     # step S + 1 (read before the stop was agreed on): resuming trains on that batch.
-    from mpipipe.core.checkpoint import load_stage
+    from mpipipe.core.state.checkpoint import load_stage
 
     batch = 32  # data.batch_size of pipeline-digits.toml, not overridden here
     with native.open_dataset(Path(digits) / "train") as train:

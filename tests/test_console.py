@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core.launch import ROOT, run_mpi
-from mpipipe.core.progress import Progress, event_line, plain_lines, startup_line
+from mpipipe.core.logs.progress import Progress, event_line, plain_lines, startup_line
+from mpipipe.tools.launch import ROOT, run_mpi
 
 PIPELINE = ROOT / "jobs" / "configs" / "pipeline-digits.toml"
 RESPIPE = ROOT / "jobs" / "configs" / "respipe-digits.toml"
@@ -105,7 +105,7 @@ def test_plain_run_console_and_one_throughput(digits: Path, tmp_path: Path) -> N
     """Start-up line, plain lines into a pipe, balance_by=time the same on every rank and in
     the log, and the summary's samples/s equal to the report's."""
     from mpipipe import report
-    from mpipipe.core import checkpoint
+    from mpipipe.core.state import checkpoint
 
     log = tmp_path / "plain.h5"
     result = _train(3, PIPELINE, digits, log, "--set", "run.steps=24", "--set", "run.eval_every=12",

@@ -9,9 +9,9 @@ import h5py
 import numpy as np
 import pytest
 
-from mpipipe.core.config import ConfigError, load_config
-from mpipipe.core.roles import LaunchPlan, PlanError, Role, check_world_size
-from mpipipe.core.runlog import LogError, RunLog, open_log
+from mpipipe.core.logs.runlog import LogError, RunLog, open_log
+from mpipipe.core.mpi.roles import LaunchPlan, PlanError, Role, check_world_size
+from mpipipe.core.run.configfile import ConfigError, load_config
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from mpipipe.pipeline.plan import pipeline_plan
 
@@ -283,7 +283,7 @@ def test_a_new_writer_waits_for_a_replaced_one_and_keeps_each_records_time(tmp_p
 
 _WAITING_WRITER = """
 import sys, time
-from mpipipe.core.runlog import RunLog
+from mpipipe.core.logs.runlog import RunLog
 log = RunLog.null(sys.argv[1], float(sys.argv[2]))
 log.take_over(order=1)  # the file is held: its records wait
 log.event("log_writer_moved", step=2, rank=1, previous=0)
@@ -423,7 +423,7 @@ def test_open_log_reads_a_log_cut_mid_row(tmp_path):
 
 
 def test_dump_toml_round_trips_the_defaults(tmp_path):
-    from mpipipe.core.config import dump_toml
+    from mpipipe.core.run.configfile import dump_toml
 
     p = write(tmp_path, dump_toml(PIPELINE_DEFAULTS))
     assert load_config(p, (), PIPELINE_DEFAULTS) == load_config(None, (), PIPELINE_DEFAULTS)
@@ -434,7 +434,7 @@ def test_dump_toml_round_trips_the_defaults(tmp_path):
 def test_cosine_rate_follows_torch_cosine_annealing():
     import torch
 
-    from mpipipe.core.lr import decay, rate_at, set_lr
+    from mpipipe.core.run.lr import decay, rate_at, set_lr
 
     total, base = 12, 0.05
     p = torch.nn.Parameter(torch.zeros(1))
@@ -465,7 +465,7 @@ def test_console_scripts_point_at_the_module_entry_points_and_print_the_version(
 
     import mpipipe
     from mpipipe.core import version
-    from mpipipe.core.launch import ROOT
+    from mpipipe.tools.launch import ROOT
 
     # one number: stannis (which may import mpipipe.core only) prints the core's
     assert version.__version__ == mpipipe.__version__ and version.package_version() == mpipipe.package_version()
@@ -489,7 +489,7 @@ def test_version_in_a_real_process_installed_or_not():
     import sys
 
     import mpipipe
-    from mpipipe.core.launch import ROOT
+    from mpipipe.tools.launch import ROOT
 
     for name in ("mpipipe", "stannis"):
         p = subprocess.run([sys.executable, "-c", f"import sys; from {name}.__main__ import main; sys.exit(main())",
@@ -505,7 +505,7 @@ def test_version_in_a_real_process_installed_or_not():
 
 def test_the_writer_refuses_an_unknown_event_kind_or_column_on_every_rank(tmp_path):
     """A misspelt kind or figure fails where it is made (a null log too), and nothing reaches the file."""
-    from mpipipe.core.logschema import EventKind, SchemaError
+    from mpipipe.core.logs.logschema import EventKind, SchemaError
 
     path = tmp_path / "run.h5"
     with RunLog(path, system="mpipipe", config={}, comm_size=2) as log:
@@ -542,7 +542,7 @@ def test_role_kinds_are_declared_by_each_system_not_known_to_the_core(monkeypatc
     from pathlib import Path
 
     import mpipipe.pipeline.plan  # noqa: F401 - declares stage, backup and spare
-    from mpipipe.core import roles
+    from mpipipe.core.mpi import roles
 
     monkeypatch.setattr(roles, "_KINDS", dict(roles._KINDS))
     import stannis.config  # noqa: F401 - declares host and csd

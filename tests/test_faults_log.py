@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpipipe.core.launch import ROOT, run_mpi
-from mpipipe.core.runlog import RunLog, open_log
+from mpipipe.core.logs.runlog import RunLog, open_log
+from mpipipe.tools.launch import ROOT, run_mpi
 
 # make test-long (.ci/run runs it): faults aimed at backups and writers, and the log kept whole under them.
 pytestmark = pytest.mark.long

@@ -20,7 +20,7 @@ from jobs import ulfm_script_lines
 SCRIPT = """
 import os, time
 from mpi4py import MPI
-from mpipipe.core import ft
+from mpipipe.core.mpi import ft
 world = MPI.COMM_WORLD.Dup()
 world.Set_errhandler(MPI.ERRORS_RETURN)
 me = world.rank

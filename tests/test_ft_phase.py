@@ -16,7 +16,7 @@ SCRIPT = """
 import os, signal
 import numpy as np
 from mpi4py import MPI
-from mpipipe.core import ft
+from mpipipe.core.mpi import ft
 comm = MPI.COMM_WORLD.Dup()
 comm.Set_errhandler(MPI.ERRORS_RETURN)
 me = comm.rank

@@ -255,8 +255,8 @@ def test_a_rank_that_looks_free_per_sample_cannot_fill_the_batch() -> None:
 
 
 def test_launch_plan_rejects_an_oversample_factor_below_one() -> None:
-    from mpipipe.core.config import load_config
-    from mpipipe.core.roles import PlanError
+    from mpipipe.core.mpi.roles import PlanError
+    from mpipipe.core.run.configfile import load_config
     from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
     cfg = load_config(None, ["stannis.max_oversample=0.5"], STANNIS_DEFAULTS)
@@ -273,8 +273,8 @@ def test_launch_plan_rejects_an_oversample_factor_below_one() -> None:
     ("stannis.imbalance_threshold=1.5", r"stannis.imbalance_threshold = 1.5: use an imbalance"),
 ])
 def test_launch_plan_rejects_a_bad_retune_rule(setting: str, message: str) -> None:
-    from mpipipe.core.config import load_config
-    from mpipipe.core.roles import PlanError
+    from mpipipe.core.mpi.roles import PlanError
+    from mpipipe.core.run.configfile import load_config
     from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
     with pytest.raises(PlanError, match=message):
@@ -293,8 +293,8 @@ def test_a_rank_that_changed_speed_is_sudden_noise_is_not() -> None:
 
 
 def test_launch_plan_rejects_a_fault_inside_a_micro_batch() -> None:
-    from mpipipe.core.config import load_config
-    from mpipipe.core.roles import PlanError
+    from mpipipe.core.mpi.roles import PlanError
+    from mpipipe.core.run.configfile import load_config
     from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
     cfg = load_config(None, ['stannis.inject=["kill:rank=2:step=3:micro=1"]'], STANNIS_DEFAULTS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mpipipe.core.models import build_model
+from mpipipe.core.run.models import build_model
 from mpipipe.pipeline.partition import StageChunks, split, stage_modules
 from mpipipe.respipe import costmodel
 

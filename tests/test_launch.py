@@ -1,4 +1,4 @@
-"""mpipipe.core.launch: every job gets a temporary directory of its own for Open MPI's
+"""mpipipe.tools.launch: every job gets a temporary directory of its own for Open MPI's
 session files, gone once the job is over (a killed job's stale rendezvous files made a
 later mpirun with the same pid fail to start)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core.launch import kill_job, run_mpi, start_mpi
+from mpipipe.tools.launch import kill_job, run_mpi, start_mpi
 
 WHERE = "import os; from mpi4py import MPI; print('tmpdir', os.environ['TMPDIR'], os.listdir(os.environ['TMPDIR']))"
 

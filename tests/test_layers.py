@@ -3,12 +3,20 @@
 The layers, lowest first (docs/internals.md):
 
 - ``native``: the data store; imports neither mpipipe nor stannis.
-- ``mpipipe.core``: what both systems share; imports native only.
-- ``mpipipe.pipeline``: the engine and plain training; imports core (and native).
-- ``mpipipe.respipe``: ResPipe; imports pipeline, core (and native).
-- ``stannis``: beside the pipeline and ResPipe; imports ``mpipipe.core`` and native only.
-- the commands (``mpipipe/__init__.py``, ``__main__.py``, ``train.py``, ``report.py``,
-  ``testbed.py``, ``linkprobe.py``): on top, import anything.
+- ``mpipipe.core``: what both systems share, what every rank imports (its sub-packages
+  ``mpi``, ``state``, ``logs``, ``run``); imports native only.
+- ``mpipipe.tools``: what no rank imports (the testbed emulator, the chaos campaign runner,
+  the MPI launcher, the log plots); imports core (and native).
+- ``mpipipe.pipeline``: the engine and plain training; imports core (and native), not the tools.
+- ``mpipipe.respipe``: ResPipe; imports pipeline, core, tools (its chaos plugin) (and native).
+- ``stannis``: beside the pipeline and ResPipe; imports ``mpipipe.core``, ``mpipipe.tools``
+  (its chaos plugin and plots) and native only.
+- the commands (``mpipipe/__init__.py``, ``__main__.py``, ``train_command.py``, ``report.py``,
+  ``linkprobe_command.py``, the aliases ``testbed.py`` and ``linkprobe.py``): on top, import anything.
+
+That respipe and stannis may import the tools does not let a rank import them:
+:func:`test_no_rank_imports_the_tools` imports each trainer in a fresh interpreter and
+looks at what it loaded.
 
 The modules are read with ``ast``, never imported (importing would start MPI, and a
 module that fails to import would hide its arrows). Every import counts: module level,
@@ -32,6 +40,10 @@ still fine: it points at a module that does not import back.
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,18 +52,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mpipipe", "stannis", "native")
 COMMANDS = frozenset({"mpipipe", "mpipipe.__main__", "mpipipe.train_command", "mpipipe.api", "mpipipe.cost",
-                      "mpipipe.report", "mpipipe.chaos", "mpipipe.plan_command",
+                      "mpipipe.report", "mpipipe.plan_command", "mpipipe.linkprobe_command",
                       "mpipipe.testbed", "mpipipe.linkprobe"})
-# mpipipe's layers in order; a module may import its own layer and those below.
-LAYERS = ("native", "mpipipe.core", "mpipipe.pipeline", "mpipipe.respipe", "commands")
+# What each layer may import (its own layer included); the commands import anything.
+ALLOWED = {
+    "native": ("native",),
+    "mpipipe.core": ("mpipipe.core", "native"),
+    "mpipipe.tools": ("mpipipe.tools", "mpipipe.core", "native"),
+    "mpipipe.pipeline": ("mpipipe.pipeline", "mpipipe.core", "native"),
+    "mpipipe.respipe": ("mpipipe.respipe", "mpipipe.pipeline", "mpipipe.tools", "mpipipe.core", "native"),
+    "stannis": ("stannis", "mpipipe.tools", "mpipipe.core", "native"),
+}
 RULES = {
     "native": "native imports neither mpipipe nor stannis",
-    "mpipipe.core": "mpipipe.core imports only mpipipe.core and native",
-    "mpipipe.pipeline": "mpipipe.pipeline imports only mpipipe.pipeline, mpipipe.core and native",
-    "mpipipe.respipe": "mpipipe.respipe imports only mpipipe.respipe, mpipipe.pipeline, mpipipe.core and native",
-    "stannis": "stannis imports only stannis, mpipipe.core and native",
+    **{layer: f"{layer} imports only {', '.join(may)}" for layer, may in ALLOWED.items() if layer != "native"},
     "commands": "commands may import anything",
 }
+# The modules a rank runs (a trainer, and the commands that start one): their imports, run in a
+# fresh interpreter, hold no module of the tools.
+RANK_MODULES = ("mpipipe.pipeline.train", "mpipipe.respipe.trainer", "mpipipe.respipe.command",
+                "mpipipe.train_command", "mpipipe.api", "stannis.trainer", "stannis.api")
 
 
 @dataclass(frozen=True)
@@ -89,26 +109,22 @@ def layer_of(module: str) -> str:
     """
     if module in COMMANDS:
         return "commands"
-    for prefix in ("native", "stannis", "mpipipe.core", "mpipipe.pipeline", "mpipipe.respipe"):
+    for prefix in ("native", "stannis", "mpipipe.core", "mpipipe.tools", "mpipipe.pipeline", "mpipipe.respipe"):
         if module == prefix or module.startswith(prefix + "."):
             return prefix
-    raise AssertionError(f"{module} is in no layer: move it into mpipipe/core, mpipipe/pipeline or "
-                         f"mpipipe/respipe, or add it to COMMANDS in tests/test_layers.py if it is a command")
+    raise AssertionError(f"{module} is in no layer: move it into mpipipe/core, mpipipe/tools, "
+                         f"mpipipe/pipeline or mpipipe/respipe, or add it to COMMANDS in tests/test_layers.py "
+                         f"if it is a command")
 
 
 def allowed(importer: str, imported: str) -> bool:
     a, b = layer_of(importer), layer_of(imported)
-    if a == "commands":
-        return True
-    if a == "stannis":
-        return b in ("stannis", "mpipipe.core", "native")
-    if b == "stannis":
-        return False
-    return LAYERS.index(b) <= LAYERS.index(a)
+    return a == "commands" or b in ALLOWED[a]
 
 
 def _resolve(name: str, known: dict[str, Path]) -> str | None:
-    """The longest module of ours that ``name`` names (``mpipipe.core.roles.Role`` -> ``mpipipe.core.roles``)."""
+    """The longest module of ours that ``name`` names
+    (``mpipipe.core.mpi.roles.Role`` -> ``mpipipe.core.mpi.roles``)."""
     parts = name.split(".")
     while parts:
         candidate = ".".join(parts)
@@ -273,6 +289,28 @@ def test_the_walker_sees_every_form_of_import(tmp_path: Path) -> None:
                    ("mpipipe.respipe.trainer", 5, "type_checking"), ("mpipipe.pipeline.engine", 7, "function"),
                    ("stannis.plots", 9, "function")]
     assert not allowed("mpipipe.core.a", "mpipipe.pipeline.engine")
-    assert not allowed("stannis.trainer", "mpipipe") and allowed("stannis.trainer", "mpipipe.core.cli")
+    assert not allowed("stannis.trainer", "mpipipe") and allowed("stannis.trainer", "mpipipe.core.run.cli")
     assert allowed("mpipipe.report", "stannis.plots") and not allowed("mpipipe.respipe.trainer", "stannis.plots")
+    assert not allowed("mpipipe.core.mpi.faults", "mpipipe.tools.emulator")
+    assert not allowed("mpipipe.pipeline.train", "mpipipe.tools.launch")
+    assert allowed("stannis.chaos", "mpipipe.tools.campaign") and not allowed("mpipipe.tools.campaign", "stannis.chaos")
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+@pytest.mark.parametrize("module", RANK_MODULES)
+def test_no_rank_imports_the_tools(module: str) -> None:
+    """A rank's modules, imported in a fresh interpreter (this tree first on its path), load no
+    module of :mod:`mpipipe.tools`: the emulator, the campaign runner, the launcher and the plots
+    run around ranks, never inside one."""
+    probe = ("import importlib, json, sys\n"
+             f"importlib.import_module({module!r})\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m == 'mpipipe.tools' "
+             "or m.startswith('mpipipe.tools.'))))\n"
+             f"print(sys.modules[{module!r}].__file__)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tools, where = done.stdout.splitlines()[-2:]
+    assert Path(where).resolve().is_relative_to(ROOT), f"{module} came from {where}, not from {ROOT}"
+    assert json.loads(tools) == [], f"importing {module} loads the tools {json.loads(tools)}"

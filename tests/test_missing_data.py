@@ -11,9 +11,9 @@ from pathlib import Path
 import h5py
 import pytest
 
-from mpipipe.core import cli, data
-from mpipipe.core.launch import ROOT, run_mpi
-from mpipipe.core.runlog import RunLog, open_log
+from mpipipe.core.logs.runlog import RunLog, open_log
+from mpipipe.core.run import batches, cli
+from mpipipe.tools.launch import ROOT, run_mpi
 from native import advice
 
 CONFIG = ROOT / "jobs" / "configs" / "pipeline-digits.toml"
@@ -29,8 +29,8 @@ def photos(root: Path, classes: tuple[str, ...] = ("cat", "dog", "owl", "pig")) 
 
 
 def error_of(path: Path | str, split: str = "train") -> str:
-    with pytest.raises(data.DataError) as e:
-        data._open(path, split)
+    with pytest.raises(batches.DataError) as e:
+        batches._open(path, split)
     message = str(e.value)
     assert "\n" not in message
     return message

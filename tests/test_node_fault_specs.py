@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.core import faults as inject
-from mpipipe.core.faults import FaultError, FaultPlan, check_nodes, firing_rank, parse
+from mpipipe.core.mpi import faults as inject
+from mpipipe.core.mpi.faults import FaultError, FaultPlan, check_nodes, firing_rank, parse
 
 
 @pytest.mark.parametrize("spec, text", [
@@ -70,12 +70,10 @@ def test_a_dry_plan_logs_a_node_fault_and_does_nothing() -> None:
 def test_a_node_fault_on_the_stannis_host_node_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import mpipipe.pipeline.plan  # noqa: F401 - declares the stage, backup and spare role kinds
     import stannis.config  # noqa: F401 - declares the host and csd role kinds
-    from mpipipe.core import testbed
-    from mpipipe.core.roles import LaunchPlan, Role
+    from mpipipe.core.mpi import testbed_nodes
+    from mpipipe.core.mpi.roles import LaunchPlan, Role
 
-    bed = testbed.Testbed(tuple(testbed.Node(n, 0.5, 100.0) for n in ("host", "csd1")),
-                          testbed.ipaddress.IPv4Network("10.213.0.0/24"))
-    monkeypatch.setattr(testbed, "current", lambda: bed)
+    monkeypatch.setattr(testbed_nodes, "node_hosts", lambda: frozenset("mpt-" + n for n in ("host", "csd1")))
     plan = LaunchPlan((Role("host"), Role("csd", 1)))
     hosts = ["mpt-host", "mpt-csd1"]
     with pytest.raises(FaultError, match=r"^fault node-kill:node=host:step=5: node mpt-host runs the "
@@ -86,8 +84,8 @@ def test_a_node_fault_on_the_stannis_host_node_is_refused(monkeypatch: pytest.Mo
 
 
 def test_stannis_takes_a_node_kill_and_refuses_a_partition() -> None:
-    from mpipipe.core.config import load_config
-    from mpipipe.core.roles import PlanError
+    from mpipipe.core.mpi.roles import PlanError
+    from mpipipe.core.run.configfile import load_config
     from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
     cfg = load_config(None, ['stannis.inject=["node-kill:node=csd1:step=5"]'], STANNIS_DEFAULTS)
@@ -100,12 +98,10 @@ def test_stannis_takes_a_node_kill_and_refuses_a_partition() -> None:
 
 def test_a_spare_rank_never_fires_a_node_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     import mpipipe.pipeline.plan  # noqa: F401 - declares the stage, backup and spare role kinds
-    from mpipipe.core import testbed
-    from mpipipe.core.roles import LaunchPlan, Role
+    from mpipipe.core.mpi import testbed_nodes
+    from mpipipe.core.mpi.roles import LaunchPlan, Role
 
-    bed = testbed.Testbed(tuple(testbed.Node(n, 0.5, 100.0, 2) for n in ("a", "b")),
-                          testbed.ipaddress.IPv4Network("10.213.0.0/24"))
-    monkeypatch.setattr(testbed, "current", lambda: bed)
+    monkeypatch.setattr(testbed_nodes, "node_hosts", lambda: frozenset("mpt-" + n for n in ("a", "b")))
     plan = LaunchPlan((Role("stage", 0), Role("stage", 1), Role("spare", 0)))
     check_nodes([parse("node-kill:node=a:step=5")], ["mpt-a", "mpt-b", "mpt-a"], plan)
     assert firing_rank("a") == 0
@@ -118,8 +114,8 @@ def test_a_relaunch_can_be_kept_to_some_testbed_nodes_in_order() -> None:
     """run_mpi(nodes=...): mpirun's --host picks the nodes (a spare for a dead one), with their slots."""
     import ipaddress
 
-    from mpipipe.core.launch import mpirun_command
-    from mpipipe.core.testbed import Node, Testbed, TestbedError
+    from mpipipe.tools.emulator import Node, Testbed, TestbedError
+    from mpipipe.tools.launch import mpirun_command
 
     bed = Testbed((Node("a", 0.5, 100), Node("b", 0.5, 100), Node("c", 0.5, 100, slots=2)),
                   ipaddress.IPv4Network("10.213.0.0/24"))
@@ -136,7 +132,7 @@ def test_a_relaunch_can_be_kept_to_some_testbed_nodes_in_order() -> None:
 def test_a_node_quota_runs_in_short_slices_unless_under_the_kernel_minimum() -> None:
     """10 ms periods (a node at 0.28 core stalled up to 72 ms at a time with 100 ms ones);
     under 0.1 core a 10 ms period would need a quota under the kernel's 1 ms."""
-    from mpipipe.core.testbed import period_us
+    from mpipipe.tools.emulator import period_us
 
     assert period_us(0.5) == period_us(0.125) == period_us(0.1) == 10_000
     assert period_us(0.05) == period_us(0.01) == 100_000
@@ -145,7 +141,7 @@ def test_a_node_quota_runs_in_short_slices_unless_under_the_kernel_minimum() -> 
 
 def test_a_link_bucket_holds_a_millisecond_of_traffic_and_two_frames() -> None:
     """Whatever fits in the token bucket crosses the link at once, so it stays small."""
-    from mpipipe.core.testbed import FRAME_BYTES, burst_bytes
+    from mpipipe.tools.emulator import FRAME_BYTES, burst_bytes
 
     assert burst_bytes(1000) == 125_000 and burst_bytes(100) == 12_500
     assert burst_bytes(20) == burst_bytes(1) == 2 * FRAME_BYTES
@@ -165,12 +161,10 @@ def test_a_link_bucket_holds_a_millisecond_of_traffic_and_two_frames() -> None:
 ])
 def test_a_fault_a_node_fault_ends_first_is_refused(monkeypatch: pytest.MonkeyPatch, specs, why) -> None:
     import mpipipe.pipeline.plan  # noqa: F401 - declares the stage, backup and spare role kinds
-    from mpipipe.core import testbed
-    from mpipipe.core.roles import LaunchPlan, Role
+    from mpipipe.core.mpi import testbed_nodes
+    from mpipipe.core.mpi.roles import LaunchPlan, Role
 
-    bed = testbed.Testbed(tuple(testbed.Node(n, 0.5, 100.0, 2) for n in ("a", "b")),
-                          testbed.ipaddress.IPv4Network("10.213.0.0/24"))
-    monkeypatch.setattr(testbed, "current", lambda: bed)
+    monkeypatch.setattr(testbed_nodes, "node_hosts", lambda: frozenset("mpt-" + n for n in ("a", "b")))
     # ranks 0, 3 on a; 1, 2 on b (node b's lowest rank, 1, fires its faults)
     plan = LaunchPlan((Role("stage", 0), Role("stage", 1), Role("backup", 1), Role("backup", 0)))
     hosts = ["mpt-a", "mpt-b", "mpt-b", "mpt-a"]

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpipipe.core import recipe
-from mpipipe.core.launch import ROOT, run_mpi
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
+from mpipipe.core.run import recipe
 from mpipipe.pipeline.config import PIPELINE_DEFAULTS
+from mpipipe.tools.launch import ROOT, run_mpi
 
 STEPS = 12
 BATCH = 32
@@ -54,7 +54,7 @@ def _reference(digits: Path, balance: tuple[int, ...], step_lr: bool = False,
     """Single-process training of STEPS steps: (losses, final state_dict). ``deferred``:
     BatchNorm's running statistics move once a step, from the whole mini-batch (checked
     against torch's own BatchNorm on the full batch in tests/test_deferred_bn.py)."""
-    from mpipipe.core.data import TrainBatches
+    from mpipipe.core.run.batches import TrainBatches
     from mpipipe.pipeline.deferred_bn import begin_step, commit_step
     from mpipipe.pipeline.engine import micro_seed
     from mpipipe.pipeline.partition import split

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpipipe.core import checkpoint
-from mpipipe.core.models import build_model
-from mpipipe.core.transport import make_tag, split_tag
+from mpipipe.core.mpi.transport import make_tag, split_tag
+from mpipipe.core.run.models import build_model
+from mpipipe.core.state import checkpoint
 from mpipipe.pipeline.config import PIPELINE_CHOICES
 from mpipipe.pipeline.partition import balance_by_params, balance_by_time, balance_costs, split
 from mpipipe.pipeline.schedule import (
@@ -231,15 +231,15 @@ def test_run_epochs_count_the_batches_the_reader_hands_out(digits, drop_last):
     """run.epochs becomes steps with the run's own data.drop_last: exactly the batches
     TrainBatches gives in that many epochs (digits: 1438 train records, 44 full batches
     of 32 and a remainder of 30, which is a step only when padded)."""
-    from mpipipe.core import data
-    from mpipipe.core.config import load_config
+    from mpipipe.core.run import batches
+    from mpipipe.core.run.configfile import load_config
     from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 
     sets = [f'data.path="{digits}"', "data.batch_size=32", f"data.drop_last={str(drop_last).lower()}"]
     cfg = load_config(None, [*sets, "run.steps=0", "run.epochs=2"], PIPELINE_DEFAULTS)
-    steps = data.run_steps(cfg)
+    steps = batches.run_steps(cfg)
     assert steps == (88 if drop_last else 90)
-    reader = data.TrainBatches(digits, 32, seed=0, drop_last=drop_last)
+    reader = batches.TrainBatches(digits, 32, seed=0, drop_last=drop_last)
     handed = 0
     while reader.position[0] < 2:
         x, _ = reader.next()
@@ -247,6 +247,6 @@ def test_run_epochs_count_the_batches_the_reader_hands_out(digits, drop_last):
         handed += 1
     assert handed == steps
     # run.steps wins over epochs; too small a data set is the usual one-line DataError
-    assert data.run_steps(load_config(None, [*sets, "run.steps=7", "run.epochs=2"], PIPELINE_DEFAULTS)) == 7
-    with pytest.raises(data.DataError, match="fewer than one batch of 5000"):
-        data.run_steps(load_config(None, [f'data.path="{digits}"', "data.batch_size=5000"], PIPELINE_DEFAULTS))
+    assert batches.run_steps(load_config(None, [*sets, "run.steps=7", "run.epochs=2"], PIPELINE_DEFAULTS)) == 7
+    with pytest.raises(batches.DataError, match="fewer than one batch of 5000"):
+        batches.run_steps(load_config(None, [f'data.path="{digits}"', "data.batch_size=5000"], PIPELINE_DEFAULTS))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpipipe.core.launch import ROOT, run_mpi
+from mpipipe.tools.launch import ROOT, run_mpi
 
 CONFIG = ROOT / "jobs" / "configs" / "pipeline-digits.toml"
 ERROR_LINE = "mpipipe train: error:"
@@ -35,7 +35,7 @@ def test_lenet_on_digits_in_three_stages_reaches_95_percent(digits, tmp_path):
     accuracy = float(re.search(r"test accuracy ([0-9.]+)", summary[0]).group(1))
     assert accuracy >= 0.95, summary[0]
 
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
     run = open_log(log)
     assert run.steps["step"][-1] == 600
     assert run.eval["accuracy"][-1] == pytest.approx(accuracy, abs=1e-4)
@@ -126,9 +126,9 @@ def test_epochs_with_a_padded_last_batch_train_and_schedule_every_batch(digits, 
     """Two epochs of digits in batches of 32 with data.drop_last = false are 2 x 45 steps
     (44 full batches and a padded one), and the cosine schedule spans those 90: the last
     step's rate is rate_at(89, 90) > 0, where a schedule sized for 88 would be 0."""
-    from mpipipe.core.checkpoint import load_stage
-    from mpipipe.core.lr import rate_at
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
+    from mpipipe.core.run.lr import rate_at
+    from mpipipe.core.state.checkpoint import load_stage
 
     log, ckpt = tmp_path / "epochs.h5", tmp_path / "ckpt"
     result = mpirun(2, *_data(digits), "--set", "pipeline.stages=2", "--set", "pipeline.balance_by=params",
@@ -151,7 +151,7 @@ def test_interleaved_1f1b_trains_in_the_plain_command_as_1f1b_does(digits, tmp_p
     """`schedule = "interleaved-1f1b"` with an automatic balance cuts LeNet into 2K = 4
     chunks (v = 2); stage k's checkpoint holds chunks k and k + 2, and the run ends with
     the parameters of the same run under 1F1B (same micro-batches, same maths)."""
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     common = [*_data(digits), "--set", "pipeline.stages=2", "--set", "pipeline.balance_by=params",
               "--set", "run.steps=12", "--set", "run.eval_every=6", "--set", "pipeline.chunks=4"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.core.config import load_config
-from mpipipe.core.roles import PlanError
+from mpipipe.core.mpi.roles import PlanError
+from mpipipe.core.run.configfile import load_config
 from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 from mpipipe.pipeline.plan import pipeline_plan
 from mpipipe.respipe.placement import check_placement, guards

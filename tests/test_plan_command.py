@@ -2,7 +2,7 @@
 
 Why these checks: a user reads the plan to decide a balance and to size replicas, so every
 layer must be listed, and the replica bytes must be those a backup receives
-(:func:`mpipipe.core.statecodec.layout_of` of the stage module, computed here on a model
+(:func:`mpipipe.core.state.statecodec.layout_of` of the stage module, computed here on a model
 built independently with the same seed). Bad input must be one line and exit 2, and the
 command must run where MPI is absent (mpi4py never imported).
 """
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from mpipipe.__main__ import main
-from mpipipe.core import recipe
-from mpipipe.core.chain import describe
-from mpipipe.core.config import load_config
-from mpipipe.core.statecodec import layout_of
+from mpipipe.core.run import recipe
+from mpipipe.core.run.chain import describe
+from mpipipe.core.run.configfile import load_config
+from mpipipe.core.state.statecodec import layout_of
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from mpipipe.pipeline.partition import balance_by_params, split, stage_modules
 

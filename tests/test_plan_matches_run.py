@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from mpipipe.__main__ import main
-from mpipipe.core.launch import ROOT, run_mpi
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
+from mpipipe.tools.launch import ROOT, run_mpi
 
 CONFIG = str(ROOT / "jobs" / "configs" / "pipeline-digits.toml")  # balance_by = "time"
 OWN = f'model.factory="{ROOT / "tests/models/own.py"}:own_net"'

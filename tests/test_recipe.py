@@ -1,4 +1,4 @@
-"""The user's recipe (mpipipe/core/recipe.py): names resolve, bad ones are one line with
+"""The user's recipe (mpipipe/core/run/recipe.py): names resolve, bad ones are one line with
 the nearest known ones, and a precomputed schedule is the torch scheduler's own."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from mpipipe.core import recipe
-from mpipipe.core.config import ConfigError, load_config
-from mpipipe.core.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS, RecipeError
+from mpipipe.core.run import recipe
+from mpipipe.core.run.configfile import ConfigError, load_config
+from mpipipe.core.run.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS, RecipeError
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
 

@@ -4,7 +4,7 @@ A script's objects (``mpipipe.train(model=..., optimizer=..., scheduler=..., los
 replace configuration keys. The log's ``config`` must then not name the defaults that
 never ran (``model.name = "lenet"``, ``optim.name = "sgd"``, ``lr = 0.05``), and its
 ``recipe`` attribute names what did: read from the objects themselves
-(:func:`mpipipe.core.recipe.describe`, schema :data:`mpipipe.core.logschema.RECIPE`).
+(:func:`mpipipe.core.run.recipe.describe`, schema :data:`mpipipe.core.logs.logschema.RECIPE`).
 
 The unit tests need no MPI; three short runs (a script with its own objects, a TOML
 factory, Stannis with the shipped LeNet) check the writers and ``mpipipe report``.
@@ -22,12 +22,12 @@ import pytest
 import torch
 from torch import nn
 
-from mpipipe.core import recipe
-from mpipipe.core.launch import ROOT, mpirun_env, run_mpi
-from mpipipe.core.logschema import RECIPE, SchemaError, check_recipe
-from mpipipe.core.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS
-from mpipipe.core.runlog import RunLog, open_log
+from mpipipe.core.logs.logschema import RECIPE, SchemaError, check_recipe
+from mpipipe.core.logs.runlog import RunLog, open_log
+from mpipipe.core.run import recipe
+from mpipipe.core.run.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS
 from mpipipe.report import load_run, recipe_lines, summarize
+from mpipipe.tools.launch import ROOT, mpirun_env, run_mpi
 from tests.models.own import own_net
 
 SHAPE = (1, 8, 8)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from mpipipe import report
-from mpipipe.core import logplot
-from mpipipe.core.runlog import RunLog
+from mpipipe.core.logs.runlog import RunLog
+from mpipipe.tools import logplot
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -369,7 +369,7 @@ def test_closed_pipe_is_quiet_and_plots_are_still_made(tmp_path: Path) -> None:
 
 WRITER = """
 import os, sys, time
-from mpipipe.core.runlog import RunLog
+from mpipipe.core.logs.runlog import RunLog
 log = RunLog(sys.argv[1], system="mpipipe", config={}, comm_size=2, attrs={"plan": "0=stage 0, 1=stage 1"})
 step = 0
 while not os.path.exists(sys.argv[2]):  # until the test has read enough
@@ -425,7 +425,7 @@ def test_reads_a_log_while_its_run_writes_it(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_throughput_is_the_same_figure_in_progress_and_report(tmp_path: Path) -> None:
-    from mpipipe.core.progress import Progress, throughput
+    from mpipipe.core.logs.progress import Progress, throughput
 
     run = report.load_run(pipeline_log(tmp_path / "t.h5"))
     progress = Progress(30, enabled=False)
@@ -438,7 +438,7 @@ def test_throughput_is_the_same_figure_in_progress_and_report(tmp_path: Path) ->
 
 
 def test_a_resumed_log_counts_neither_the_gap_nor_each_sessions_first_step(tmp_path: Path) -> None:
-    from mpipipe.core.progress import throughput
+    from mpipipe.core.logs.progress import throughput
 
     path = tmp_path / "resumed.h5"
     log = RunLog(path, system="mpipipe", config={}, comm_size=3)
@@ -514,16 +514,16 @@ def test_tradeoff_plot_is_written_and_a_row_without_a_key_is_named(tmp_path: Pat
 
 
 def test_the_log_docs_say_what_the_schema_module_declares() -> None:
-    """docs/hdf5-log.md holds the column tables exactly as mpipipe.core.logschema prints them,
+    """docs/hdf5-log.md holds the column tables exactly as mpipipe.core.logs.logschema prints them,
     and its events table lists exactly the EventKind members: one schema, described once."""
     import re
 
-    from mpipipe.core import logschema
+    from mpipipe.core.logs import logschema
 
     docs = (ROOT / "docs" / "hdf5-log.md").read_text()
     assert logschema.markdown() in docs, (
-        "docs/hdf5-log.md: the column tables differ from mpipipe/core/logschema.py; paste the output "
-        "of `python -m mpipipe.core.logschema` over them")
+        "docs/hdf5-log.md: the column tables differ from mpipipe/core/logs/logschema.py; paste the output "
+        "of `python -m mpipipe.core.logs.logschema` over them")
     for columns in logschema.GROUPS.values():
         for column in columns:
             assert f"| `{column.name}` |" in docs

@@ -13,7 +13,7 @@ import pytest
 
 import native
 from mpipipe import report
-from mpipipe.core.runlog import RunLog
+from mpipipe.core.logs.runlog import RunLog
 
 CLASSES = ["ant", "bee", "cat"]
 

@@ -14,8 +14,8 @@ import pytest
 matplotlib.use("Agg")
 
 from mpipipe import report  # noqa: E402
-from mpipipe.core import logplot  # noqa: E402
-from mpipipe.core.runlog import RunData, RunLog  # noqa: E402
+from mpipipe.core.logs.runlog import RunData, RunLog  # noqa: E402
+from mpipipe.tools import logplot  # noqa: E402
 
 
 def near_perfect_log(path: Path, *, fault_step: int = 40, steps: int = 60) -> Path:

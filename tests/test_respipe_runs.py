@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpipipe.core.launch import run_mpi
+from mpipipe.tools.launch import run_mpi
 
 STEPS, BATCH = 20, 32
 
@@ -43,7 +43,7 @@ NO_BACKUP = "resilience.backups={}"
 
 
 def _open(log: Path):
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     return open_log(log)
 
@@ -54,8 +54,8 @@ def _params(ckpt: Path) -> list[dict[str, torch.Tensor]]:
 
 def _predicted(log_path: Path):
     """The cost model of this run's cut (a ``Cost``), recomputed here from its config."""
-    from mpipipe.core.models import build_model
-    from mpipipe.core.recipe import make_optimizer
+    from mpipipe.core.run.models import build_model
+    from mpipipe.core.run.recipe import make_optimizer
     from mpipipe.pipeline.partition import split
     from mpipipe.pipeline.plan import backup_counts
     from mpipipe.respipe import costmodel

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpipipe.core import faults as inject
-from mpipipe.core import ft
+from mpipipe.core.mpi import faults as inject
+from mpipipe.core.mpi import ft
 from mpipipe.cost import format_table
 from mpipipe.respipe import costmodel
 from mpipipe.respipe.costmodel import StageShape
@@ -209,7 +209,7 @@ def test_a_replica_is_the_whole_state_byte_for_byte():
     # (int64); momentum one float per parameter; Adam two, and a float32 step per tensor
     from torch import nn
 
-    from mpipipe.core.statecodec import state_nbytes
+    from mpipipe.core.state.statecodec import state_nbytes
 
     m = nn.Sequential(nn.Linear(5, 10), nn.BatchNorm1d(10))
     params, bn = 4 * (50 + 10 + 10 + 10), 4 * 20 + 8
@@ -274,7 +274,7 @@ def test_replica_round_trip_restores_the_whole_state(optim, dtype):
     # loaded from a replica continues bit for bit like the original, buffers included.
     from torch import nn
 
-    from mpipipe.core.statecodec import pack_state, state_nbytes, unpack_state
+    from mpipipe.core.state.statecodec import pack_state, state_nbytes, unpack_state
 
     def model_and_opt(seed):
         torch.manual_seed(seed)
@@ -306,7 +306,7 @@ def test_replica_round_trip_restores_the_whole_state(optim, dtype):
 def test_a_replica_of_step_0_leaves_the_optimizer_without_state():
     from torch import nn
 
-    from mpipipe.core.statecodec import StateError, pack_state, unpack_state
+    from mpipipe.core.state.statecodec import StateError, pack_state, unpack_state
 
     m = nn.Linear(3, 2)
     opt = torch.optim.Adam(m.parameters())
@@ -321,7 +321,7 @@ def test_a_replica_of_step_0_leaves_the_optimizer_without_state():
 
 
 def test_batch_cache_jumps_to_a_far_step_and_matches_reading_through(digits) -> None:
-    from mpipipe.core.data import TrainBatches
+    from mpipipe.core.run.batches import TrainBatches
     from mpipipe.respipe.command import BatchCache
 
     through = TrainBatches(digits, 32, seed=3)
@@ -402,7 +402,7 @@ CHECK_PLAN = "0=stage 0, 1=stage 1, 2=stage 2, 3=backup 1"
 def _check(*specs: str, steps: int | None = 20, chunks: int | None = 4,
            mode: str = "cold") -> None:
     import mpipipe.pipeline.plan  # noqa: F401 - declares the stage and backup roles
-    from mpipipe.core.roles import LaunchPlan, Role
+    from mpipipe.core.mpi.roles import LaunchPlan, Role
 
     plan = LaunchPlan(tuple(Role.parse(r.split("=")[1]) for r in CHECK_PLAN.split(", ")))
     inject.check_reachable(inject.parse_all(specs), plan, steps=steps, chunks=chunks, mode=mode)
@@ -440,7 +440,7 @@ def test_faults_that_can_fire_pass_the_check() -> None:
 
 
 def test_what_a_rank_holds_decides_what_it_is_sent_again() -> None:
-    from mpipipe.core.transport import ACT, EVAL, GRAD, LABEL, SHADOW
+    from mpipipe.core.mpi.transport import ACT, EVAL, GRAD, LABEL, SHADOW
     from mpipipe.respipe.mirror import SHADOW_GRAD_MICRO, Have, _has
 
     h = Have(step=7, inputs=0b0101, grads=0b0010, labels=True)
@@ -456,7 +456,7 @@ def test_what_a_rank_holds_decides_what_it_is_sent_again() -> None:
 
 def test_a_backup_fires_only_the_faults_aimed_at_its_rank() -> None:
     """A rank that played stage 1 and rejoined as a backup is not stage 1 any more."""
-    from mpipipe.core.faults import FaultPlan, parse_all
+    from mpipipe.core.mpi.faults import FaultPlan, parse_all
 
     slept: list[float] = []
     plan = FaultPlan(parse_all(["delay:stage=1:p=1:seconds=2", "stall:rank=1:step=3:seconds=1"]),

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.core.config import load_config
-from mpipipe.core.launch import ROOT, run_mpi
-from mpipipe.core.roles import PlanError, Role
+from mpipipe.core.mpi.roles import PlanError, Role
+from mpipipe.core.run.configfile import load_config
 from mpipipe.pipeline.config import PIPELINE_DEFAULTS
 from mpipipe.pipeline.plan import pipeline_plan
+from mpipipe.tools.launch import ROOT, run_mpi
 from stannis.config import STANNIS_DEFAULTS, stannis_plan
 
 # make test-long (.ci/run runs it): spare ranks beside the plan.
@@ -52,7 +52,7 @@ def _train(digits, tmp_path, name: str, *extra: str, ulfm: bool):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("ulfm", [False, True], ids=["plain", "ulfm"])
 def test_a_plain_pipeline_with_spares_trains_on_its_stages_alone(digits, tmp_path, ulfm) -> None:
-    from mpipipe.core.runlog import open_log
+    from mpipipe.core.logs.runlog import open_log
 
     result, log = _train(digits, tmp_path, "spares", ulfm=ulfm)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 import native
-from mpipipe.core.launch import ROOT, mpirun_env
+from mpipipe.tools.launch import ROOT, mpirun_env
 from native import convert
 
 CLASSES = ["ant", "bee", "cat"]

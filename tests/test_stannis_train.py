@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpipipe.core.launch import ROOT, mpirun_env, run_mpi
-from mpipipe.core.models import build_model
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
+from mpipipe.core.run.models import build_model
+from mpipipe.tools.launch import ROOT, mpirun_env, run_mpi
 
 CONFIG = ROOT / "jobs" / "configs" / "stannis-digits.toml"
 
@@ -223,7 +223,7 @@ def test_csd_killed_during_the_benchmark_is_dropped_and_the_rest_start_over(
     import signal
     import threading
 
-    from mpipipe.core.launch import kill_job, start_mpi
+    from mpipipe.tools.launch import kill_job, start_mpi
 
     log = tmp_path / "bench-kill.h5"
     argv = ["-m", "stannis", "train", "--config", str(CONFIG), "--log", str(log),

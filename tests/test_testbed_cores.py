@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core import testbed
-from mpipipe.core.testbed import Node, Testbed, TestbedError
+from mpipipe.tools import emulator
+from mpipipe.tools.emulator import Node, Testbed, TestbedError
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
@@ -17,7 +17,7 @@ SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
 
 @pytest.fixture(autouse=True)
 def two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(testbed.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(emulator.os, "cpu_count", lambda: 2)
 
 
 def _file(tmp_path: Path, body: str) -> Path:
@@ -32,12 +32,12 @@ def test_equal_nodes_alternate_over_the_cores() -> None:
 
 
 def test_the_stannis_host_gets_a_core_and_the_csds_share_the_other() -> None:
-    cores = testbed.load(ROOT / "jobs" / "testbed" / "stannis-csd.toml").cores()
+    cores = emulator.load(ROOT / "jobs" / "testbed" / "stannis-csd.toml").cores()
     assert cores == {"host": (0,), "csd1": (1,), "csd2": (1,), "csd3": (1,), "csd4": (1,)}
 
 
 def test_the_phone_testbed_fills_both_cores_exactly() -> None:
-    bed = testbed.load(ROOT / "jobs" / "testbed" / "respipe-phones.toml")
+    bed = emulator.load(ROOT / "jobs" / "testbed" / "respipe-phones.toml")
     cores = bed.cores()
     share = {0: 0.0, 1: 0.0}
     for n in bed.nodes:
@@ -51,7 +51,7 @@ def test_a_node_of_more_than_a_core_gets_as_many_cores_as_it_needs() -> None:
 
 
 def test_named_cores_are_kept_and_counted_before_the_others_are_placed(tmp_path: Path) -> None:
-    bed = testbed.load(_file(tmp_path, "[nodes.a]\ncpu = 0.5\nlink_mbit = 100\ncores = [1]\n"
+    bed = emulator.load(_file(tmp_path, "[nodes.a]\ncpu = 0.5\nlink_mbit = 100\ncores = [1]\n"
                                        "[nodes.b]\ncpu = 0.5\nlink_mbit = 100\n"
                                        "[nodes.c]\ncpu = 0.25\nlink_mbit = 100\n"))
     assert bed.nodes[0].cores == (1,)
@@ -71,7 +71,7 @@ def test_named_cores_are_kept_and_counted_before_the_others_are_placed(tmp_path:
 def test_bad_cores_are_one_line_naming_the_node(tmp_path: Path, cores: str, cpu: float, why: str) -> None:
     path = _file(tmp_path, f"[nodes.a]\ncpu = {cpu}\nlink_mbit = 100\ncores = {cores}\n")
     with pytest.raises(TestbedError, match="nodes.a") as err:
-        testbed.load(path)
+        emulator.load(path)
     assert why in str(err.value) and "\n" not in str(err.value)
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from mpipipe.core.launch import run_mpi
+from mpipipe.tools.launch import run_mpi
 
 SCRIPT = """
 import os, signal, torch
 from mpi4py import MPI
-from mpipipe.core.transport import ACT, PeerFailed, Transport
+from mpipipe.core.mpi.transport import ACT, PeerFailed, Transport
 
 # make test-long (.ci/run runs it): the transport under ULFM with a killed peer and a timed-out job.
 pytestmark = pytest.mark.long

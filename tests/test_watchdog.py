@@ -17,7 +17,7 @@ pytestmark = pytest.mark.long
 SCRIPT = textwrap.dedent("""
     import os, sys, threading, time
     from pathlib import Path
-    from mpipipe.core import watchdog
+    from mpipipe.core.mpi import watchdog
     out = Path(sys.argv[1])
     beats = float(sys.argv[2])
     dog = watchdog.install(watchdog.Watchdog(
@@ -53,7 +53,7 @@ def test_a_rank_without_progress_says_where_it_waits_and_closes_the_log(tmp_path
 
 
 def test_the_limit_is_a_minute_or_twenty_median_steps_after_five_minutes_of_start_up():
-    from mpipipe.core.watchdog import Watchdog
+    from mpipipe.core.mpi.watchdog import Watchdog
 
     dog = Watchdog(rank=0, seconds=0, stacks=Path("."), prog="x", holds_log=lambda: False,
                    close_log=lambda s: None, abort=lambda c: None)
@@ -70,7 +70,7 @@ def test_the_limit_is_a_minute_or_twenty_median_steps_after_five_minutes_of_star
 OTHER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from mpipipe.core import watchdog
+    from mpipipe.core.mpi import watchdog
     out = Path(sys.argv[1])
     watchdog.install(watchdog.Watchdog(
         rank=3, seconds=3.0, stacks=out / "run.h5.stacks", prog="stannis train",
@@ -103,7 +103,7 @@ def test_a_rank_without_the_log_warns_goes_on_with_progress_and_aborts_without(t
 MARKED = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from mpipipe.core import watchdog
+    from mpipipe.core.mpi import watchdog
     out = Path(sys.argv[1])
     holds = sys.argv[2] == "writer"
     watchdog.install(watchdog.Watchdog(

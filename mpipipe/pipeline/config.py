@@ -1,6 +1,6 @@
 """The pipeline system's configuration: its sections, defaults and choices.
 
-Why here and not in :mod:`mpipipe.core.config`: the core keeps the generic loader and
+Why here and not in :mod:`mpipipe.core.run.configfile`: the core keeps the generic loader and
 knows no system; each system declares its own schema (Stannis's is in stannis/config.py).
 The choices of ``pipeline.schedule`` are read from the schedule registry
 (:data:`mpipipe.pipeline.schedule.REGISTRY`), so a new schedule is a valid choice as soon
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpipipe.core.lr import SCHEDULES as LR_SCHEDULES
-from mpipipe.core.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS
+from mpipipe.core.run.lr import SCHEDULES as LR_SCHEDULES
+from mpipipe.core.run.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS
 from mpipipe.pipeline.schedule import SCHEDULES, get, virtual_stages
 
 __all__ = ["PIPELINE_DEFAULTS", "PIPELINE_CHOICES", "chunks_per_stage"]

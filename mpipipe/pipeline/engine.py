@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mpipipe.core.transport import ACT, EVAL, GRAD, LABEL, Transport
+from mpipipe.core.mpi.transport import ACT, EVAL, GRAD, LABEL, Transport
 from mpipipe.pipeline.deferred_bn import begin_step, commit_step
 from mpipipe.pipeline.partition import split, stage_modules
 from mpipipe.pipeline.schedule import Action, Op, actions, virtual_stages

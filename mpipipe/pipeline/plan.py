@@ -1,7 +1,7 @@
 """The pipeline's launch plan: its role kinds (stage, backup, spare) and the plan of a job.
 
 Why here and not in the core: the core launches, logs and stops ranks of any system and
-names none of their kinds (:mod:`mpipipe.core.roles`); this module declares the
+names none of their kinds (:mod:`mpipipe.core.mpi.roles`); this module declares the
 pipeline's, ResPipe's backups included, when it is imported.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mpipipe.core.roles import LaunchPlan, PlanError, Role, RoleKind, register_role_kind
+from mpipipe.core.mpi.roles import LaunchPlan, PlanError, Role, RoleKind, register_role_kind
 
 __all__ = ["STAGE", "BACKUP", "SPARE", "PIPELINE_KINDS", "pipeline_plan", "backup_counts"]
 
@@ -27,7 +27,7 @@ def pipeline_plan(cfg: Mapping[str, Mapping[str, Any]], world_size: int) -> Laun
     Without an explicit ``[plan]`` the stages take ranks 0..K-1 and backups
     follow in stage order, as many per stage as ``resilience.backups`` says.
     An explicit plan may end with ``spare K`` ranks, which idle outside the job
-    (mpipipe/core/spare.py): a baseline with the world size of a resilient job.
+    (mpipipe/core/mpi/spare.py): a baseline with the world size of a resilient job.
 
     Raises:
         PlanError: the world size does not match, a stage has no rank, a backup

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpipipe.core import stop, watchdog
-from mpipipe.core.cli import Run, gather_figures
-from mpipipe.core.logschema import EventKind
-from mpipipe.core.roles import fail_fast
+from mpipipe.core.logs.logschema import EventKind
+from mpipipe.core.mpi import stop, watchdog
+from mpipipe.core.mpi.roles import fail_fast
+from mpipipe.core.run.cli import Run, gather_figures
 
 # torch, the engine and the data reader are imported where used, so that a wrong
 # configuration is reported before any rank pays for importing torch.
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from mpipipe.core import data
+    from mpipipe.core.run import batches
     from mpipipe.pipeline.engine import Pipeline
 
 __all__ = ["Setup", "setup", "agree", "read_batch",
@@ -42,9 +42,9 @@ class Setup:
     loss_fn: Any
     in_shape: tuple[int, int, int]
     total_steps: int
-    schedule: Any  # mpipipe.core.recipe.Schedule: the hyperparameters of every step
+    schedule: Any  # mpipipe.core.run.recipe.Schedule: the hyperparameters of every step
     start_step: int = 0
-    train_data: data.TrainBatches | None = None
+    train_data: batches.TrainBatches | None = None
     eval_batches: int = 0
     checkpoint_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -55,7 +55,7 @@ def check_same_weights(run: Run, pipe: Pipeline) -> None:
     hold the same weights, or a takeover would silently change the model. One CRC per
     stage, compared over all ranks; a mismatch is the user's factory drawing random
     numbers from somewhere torch's seed does not reach."""
-    from mpipipe.core.recipe import checksum
+    from mpipipe.core.run.recipe import checksum
 
     mine = [checksum(part) for part in pipe.partitions]
     seen = run.comm.allgather(mine)
@@ -98,7 +98,7 @@ def _static_checks(cfg: dict) -> str | None:
                 f"{p['chunks']}: every micro-batch needs at least one sample")
     if cfg["run"]["steps"] < 1 and cfg["run"]["epochs"] < 1:
         return "set run.steps or run.epochs to a positive number"
-    from mpipipe.core.data import TransformError, transforms
+    from mpipipe.core.run.batches import TransformError, transforms
 
     try:
         transforms(d)  # data.augment, data.mean, data.std; their fit to the images: in setup
@@ -119,7 +119,8 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         run.fail(error)
     import torch
 
-    from mpipipe.core import checkpoint, data, recipe
+    from mpipipe.core.run import batches, recipe
+    from mpipipe.core.state import checkpoint
     from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.engine import Pipeline, Route
     from mpipipe.pipeline.partition import automatic_balance, check_balance
@@ -127,13 +128,13 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     cfg, comm = run.cfg, run.comm
     path = cfg["data"]["path"]
     try:
-        in_shape = data.image_shape(path)
-        data.transforms(cfg["data"], in_shape)  # TransformError, a DataError: on every rank
-        total = data.run_steps(cfg)
-        eval_batches = data.count_test_batches(path, cfg["data"]["batch_size"])
-        note = data.check_labels(path, cfg["model"]["num_classes"])
-        data.verify_split(path, "test", cfg["model"]["num_classes"])
-    except data.DataError as e:
+        in_shape = batches.image_shape(path)
+        batches.transforms(cfg["data"], in_shape)  # TransformError, a DataError: on every rank
+        total = batches.run_steps(cfg)
+        eval_batches = batches.count_test_batches(path, cfg["data"]["batch_size"])
+        note = batches.check_labels(path, cfg["model"]["num_classes"])
+        batches.verify_split(path, "test", cfg["model"]["num_classes"])
+    except batches.DataError as e:
         run.fail(e)
     if note and run.rank == 0:
         print(f"{run.prog}: note: {note}", file=sys.stderr, flush=True)
@@ -212,7 +213,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     setup_ = Setup(run, model, pipe, optimizer, loss_fn, in_shape, total, schedule,
                    eval_batches=eval_batches)
     if pipe.first:
-        setup_.train_data = data.TrainBatches.from_config(cfg)
+        setup_.train_data = batches.TrainBatches.from_config(cfg)
     error = None
     if state is not None:
         assert pipe.stage_module is not None
@@ -260,7 +261,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
 
 def read_batch(s: Setup) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str | None]:
     """The first stage's next mini-batch, or this rank's fatal data error (one line)."""
-    from mpipipe.core.data import DataFault
+    from mpipipe.core.run.batches import DataFault
 
     if s.train_data is None:
         return None, None
@@ -300,14 +301,14 @@ def train_step(s: Setup, step: int,
 
 def evaluate(s: Setup) -> float:
     """Accuracy on the whole test split, known on every rank (allreduced)."""
-    from mpipipe.core import data
+    from mpipipe.core.run import batches
 
     pipe, path, bs = s.pipe, s.run.cfg["data"]["path"], s.run.cfg["data"]["batch_size"]
     correct = count = 0
     if pipe.first:
-        batches = data.test_batches(path, bs, mean=s.run.cfg["data"]["mean"],
-                                    std=s.run.cfg["data"]["std"])
-        for x, y in batches:
+        test_set = batches.test_batches(path, bs, mean=s.run.cfg["data"]["mean"],
+                                        std=s.run.cfg["data"]["std"])
+        for x, y in test_set:
             result = pipe.evaluate(x, y)
             if result is not None:
                 correct, count = correct + result[0], count + result[1]
@@ -327,7 +328,7 @@ def save_checkpoint(s: Setup, step: int, position: tuple[int, int] | None = None
     the reader's position now, which is that one unless a batch was read since (as when
     a stop is agreed on after the next batch was read: it must be read again on resume).
     """
-    from mpipipe.core import checkpoint
+    from mpipipe.core.state import checkpoint
 
     pipe = s.pipe
     if s.checkpoint_dir is None or pipe.stage_module is None:
@@ -344,7 +345,7 @@ def save_checkpoint(s: Setup, step: int, position: tuple[int, int] | None = None
 
 def _abort(s: Setup, step: int, error: Exception) -> None:
     """Without resilience a late or dead stage ends the job: say why, then stop every rank."""
-    from mpipipe.core.transport import Late
+    from mpipipe.core.mpi.transport import Late
 
     run = s.run
     where = f"stage {s.pipe.stage} (rank {run.rank})"
@@ -371,7 +372,7 @@ def stopped(s: Setup, halt: stop.StopRun, position: tuple[int, int] | None) -> i
 
 def train(run: Run) -> int:
     """The plain pipeline training loop (no backups); returns the exit status."""
-    from mpipipe.core.transport import Late, PeerFailed
+    from mpipipe.core.mpi.transport import Late, PeerFailed
 
     s = setup(run)
     cfg, log, progress, comm = run.cfg, run.log, run.progress, run.comm
@@ -379,7 +380,7 @@ def train(run: Run) -> int:
     ckpt_every = cfg["run"]["checkpoint_every"]
     batch = cfg["data"]["batch_size"]
     if run.rank == 0:
-        from mpipipe.core.recipe import model_name
+        from mpipipe.core.run.recipe import model_name
 
         progress.message(f"{model_name(cfg)} in {s.pipe.k} stages, balance "
                          f"{s.pipe.balance}, {cfg['pipeline']['schedule']}, "
@@ -425,7 +426,7 @@ def train(run: Run) -> int:
         accuracy = evaluate(s)
     summary = {
         "steps": s.total_steps,
-        # mpipipe.core.progress.throughput of the log's rows (of this session's without a log)
+        # mpipipe.core.logs.progress.throughput of the log's rows (of this session's without a log)
         "samples_per_s": log.throughput() if log.active else progress.samples_per_s,
         "final_loss": loss,
         "test_accuracy": accuracy,

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpipipe.core import ft
-from mpipipe.core.runlog import LogError
-from mpipipe.core.stop import StopRun
+from mpipipe.core.logs.runlog import LogError
+from mpipipe.core.mpi import ft
+from mpipipe.core.mpi.stop import StopRun
 from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 from mpipipe.respipe.trainer import Demoted, ResPipe, Settings, StageLost
 
@@ -67,7 +67,7 @@ class _NoParams:
 def _eval_fn(cfg: Mapping[str, Any], eval_batches: int
              ) -> Callable[[Pipeline], tuple[int, int] | None]:
     """A forward-only pass over the test split; (correct, count) on the last stage."""
-    from mpipipe.core import data
+    from mpipipe.core.run import batches
 
     path, bs = cfg["data"]["path"], cfg["data"]["batch_size"]
 
@@ -75,11 +75,11 @@ def _eval_fn(cfg: Mapping[str, Any], eval_batches: int
         correct = count = 0
         result = None
         if pipe.first:
-            batches: Iterable[tuple[Any, Any]] = data.test_batches(path, bs, mean=cfg["data"]["mean"],
-                                                                   std=cfg["data"]["std"])
+            test_set: Iterable[tuple[Any, Any]] = batches.test_batches(path, bs, mean=cfg["data"]["mean"],
+                                                                       std=cfg["data"]["std"])
         else:
-            batches = ((None, None) for _ in range(eval_batches))
-        for x, y in batches:
+            test_set = ((None, None) for _ in range(eval_batches))
+        for x, y in test_set:
             r = pipe.evaluate(x, y if (pipe.first or pipe.last) else None)
             if r is not None:
                 correct, count = correct + r[0], count + r[1]
@@ -106,8 +106,10 @@ def train(run: Any) -> int:
     then hands the steps to :class:`ResPipe`. A stage lost with no backup stops every
     survivor with one error line naming the stage (exit 2) and a closed, readable log.
     """
-    from mpipipe.core import checkpoint, data, stop
-    from mpipipe.core.recipe import make_optimizer
+    from mpipipe.core.mpi import stop
+    from mpipipe.core.run import batches
+    from mpipipe.core.run.recipe import make_optimizer
+    from mpipipe.core.state import checkpoint
     from mpipipe.pipeline import train as plain
 
     s = plain.setup(run, Pipeline)
@@ -123,7 +125,7 @@ def train(run: Any) -> int:
     def open_reader() -> Any:
         # Opened on first use: only the ranks that read data ever open it.
         if not reader:
-            reader.append(data.TrainBatches.from_config(cfg))
+            reader.append(batches.TrainBatches.from_config(cfg))
         return reader[0]
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,7 +61,7 @@ class StageShape:
     ``act_out`` is bytes per sample of the activation it sends forward (0 for
     the last stage); ``params`` and ``state`` are the bytes of its parameters
     and of the rest a replica carries with them: buffers (BatchNorm's statistics) and
-    the optimizer's state (mpipipe.core.statecodec).
+    the optimizer's state (mpipipe.core.state.statecodec).
     """
 
     act_out: int
@@ -129,13 +129,13 @@ def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int],
     of which stage s holds s, s + K, ... when ``stages`` = K is fewer; or a pipeline's
     ``partitions`` (stage modules that hold their chunks). Replicas carry float32
     the stage's whole state, of all its chunks: parameters, buffers and the state of
-    the optimizer ``make_optimizer(params)`` builds (:mod:`mpipipe.core.statecodec`, whose
+    the optimizer ``make_optimizer(params)`` builds (:mod:`mpipipe.core.state.statecodec`, whose
     byte count is the replica message's, byte for byte).
     """
     import torch
     from torch import nn
 
-    from mpipipe.core.statecodec import layout_of
+    from mpipipe.core.state.statecodec import layout_of
     from mpipipe.pipeline.partition import StageChunks
 
     parts = list(partitions)
@@ -377,7 +377,7 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
     """
     import torch
 
-    from mpipipe.core import recipe
+    from mpipipe.core.run import recipe
     from mpipipe.pipeline.config import chunks_per_stage
     from mpipipe.pipeline.partition import balance_by_params, check_balance, split
 
@@ -386,11 +386,11 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
         if len(in_shape) != 3:
             raise ValueError(f"--in-shape {in_shape_arg!r}: give C,H,W, e.g. 1,8,8")
     else:
-        from mpipipe.core import data
+        from mpipipe.core.run import batches
 
         try:
-            in_shape = data.image_shape(cfg["data"]["path"])
-        except data.DataError as e:
+            in_shape = batches.image_shape(cfg["data"]["path"])
+        except batches.DataError as e:
             raise ValueError(f"{e} (or pass --in-shape C,H,W)") from None
     torch.manual_seed(cfg["run"]["seed"])
     try:

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from mpipipe.core.statecodec import pack_state, unpack_state
-from mpipipe.core.transport import CTRL, SHADOW
+from mpipipe.core.mpi.transport import CTRL, SHADOW
+from mpipipe.core.state.statecodec import pack_state, unpack_state
 from mpipipe.respipe.membership import _DEBUG
 from mpipipe.respipe.mirror import Have
 from mpipipe.respipe.replicas import _Slot

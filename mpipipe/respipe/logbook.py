@@ -14,10 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpipipe.core import ft
-from mpipipe.core.faults import Fault
-from mpipipe.core.logschema import EventKind
-from mpipipe.core.runlog import LogError
+from mpipipe.core.logs.logschema import EventKind
+from mpipipe.core.logs.runlog import LogError
+from mpipipe.core.mpi import ft
+from mpipipe.core.mpi.faults import Fault
 from mpipipe.respipe.control import _EVAL, _FAULT, _FIGS, _LOSS, _RELEASED
 from mpipipe.respipe.costmodel import predict, stage_shapes
 from mpipipe.respipe.messages import Decision

@@ -12,7 +12,7 @@ import statistics
 
 from torch import nn
 
-from mpipipe.core import ft
+from mpipipe.core.mpi import ft
 from mpipipe.pipeline.engine import Route
 from mpipipe.respipe.control import _DEMOTED
 from mpipipe.respipe.decide import stage_holders
@@ -70,7 +70,7 @@ class Membership:
 
     def _say(self, text: str) -> None:
         """A rank's own note, for debugging rounds (MPIPIPE_DEBUG_ROUNDS=1); what users see
-        is printed once, by the log writer, from the events (mpipipe.core.progress.event_line)."""
+        is printed once, by the log writer, from the events (mpipipe.core.logs.progress.event_line)."""
         if _DEBUG:
             print(f"mpipipe: rank {self.wrank}: {text}", file=self.out, flush=True)
 

@@ -107,7 +107,7 @@ class Decision(_Message):
     @property
     def comm_tag(self) -> str:
         """The tag the members build the new generation's communicator under
-        (mpipipe.core.ft.from_group): unique to the generation and its members."""
+        (mpipipe.core.mpi.ft.from_group): unique to the generation and its members."""
         return f"mpipipe-gen{self.gen}-" + "-".join(map(str, sorted(self.members)))
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mpipipe.core.transport import ACT, GRAD, LABEL, SHADOW
+from mpipipe.core.mpi.transport import ACT, GRAD, LABEL, SHADOW
 from mpipipe.pipeline.deferred_bn import begin_step, commit_step
 from mpipipe.pipeline.engine import MAX_TAGGED_MICRO, LossFn, Pipeline, Route, micro_seed
 from mpipipe.pipeline.schedule import Op

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mpipipe.core.roles import LaunchPlan, PlanError
+from mpipipe.core.mpi.roles import LaunchPlan, PlanError
 
 __all__ = ["guards", "check_placement", "check_hosts"]
 

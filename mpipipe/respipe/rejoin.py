@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from mpipipe.core import ft, watchdog
+from mpipipe.core.mpi import ft, watchdog
 from mpipipe.respipe.control import _ADMIT, _CLOSED, _REJOIN, _Control
 from mpipipe.respipe.membership import Demoted
 from mpipipe.respipe.messages import Decision

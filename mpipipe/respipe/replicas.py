@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from mpipipe.core import ft, stop, watchdog
-from mpipipe.core.statecodec import pack_state, state_nbytes, unpack_state
-from mpipipe.core.transport import REPLICA, PeerFailed
+from mpipipe.core.mpi import ft, stop, watchdog
+from mpipipe.core.mpi.transport import REPLICA, PeerFailed
+from mpipipe.core.state.statecodec import pack_state, state_nbytes, unpack_state
 from mpipipe.pipeline.engine import Route
 from mpipipe.respipe.control import _END
 from mpipipe.respipe.messages import Decision

@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mpipipe.core import ft, watchdog
-from mpipipe.core.logschema import EventKind
-from mpipipe.core.statecodec import unpack_state
-from mpipipe.core.transport import Late, PeerFailed, pause
+from mpipipe.core.logs.logschema import EventKind
+from mpipipe.core.mpi import ft, watchdog
+from mpipipe.core.mpi.transport import Late, PeerFailed, pause
+from mpipipe.core.state.statecodec import unpack_state
 from mpipipe.respipe.control import _ANNOUNCE, _DECISION, _DEMOTED, _GO, _READY, _Control
 from mpipipe.respipe.decide import View, decide, eval_point, round_patience, stage_holders
 from mpipipe.respipe.membership import _DEBUG, Demoted, StageLost
@@ -236,7 +236,7 @@ class Rounds:
     def _rebuild(self, d: Decision, why: Exception) -> None:
         """The members that came could not build the decided generation (a member died,
         or never came, between the decision and the build): every one of them gets this
-        alike (:func:`mpipipe.core.ft.from_group`), nothing is applied yet, and they run
+        alike (:func:`mpipipe.core.mpi.ft.from_group`), nothing is applied yet, and they run
         the round again without the missing one.
 
         The retry counts as a generation of its own, on the old control communicator:

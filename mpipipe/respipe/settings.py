@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mpipipe.core.faults import Fault
+from mpipipe.core.mpi.faults import Fault
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Settings:
         Raises:
             ValueError: R < 1, a deadline <= 0, or a bad fault spec (names the key).
         """
-        from mpipipe.core.faults import parse_all
+        from mpipipe.core.mpi.faults import parse_all
         from mpipipe.pipeline.plan import backup_counts
         from mpipipe.pipeline.schedule import get as get_schedule
 

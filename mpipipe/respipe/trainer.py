@@ -47,14 +47,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpipipe.core import ft, watchdog
-from mpipipe.core.checkpoint import CheckpointError
-from mpipipe.core.data import DataFault
-from mpipipe.core.faults import FaultPlan
-from mpipipe.core.logschema import EventKind
-from mpipipe.core.statecodec import pack_state, state_nbytes, unpack_state
-from mpipipe.core.stop import ControlStop, StopRun
-from mpipipe.core.transport import Late, PeerFailed, set_wait_hook
+from mpipipe.core.logs.logschema import EventKind
+from mpipipe.core.mpi import ft, watchdog
+from mpipipe.core.mpi.faults import FaultPlan
+from mpipipe.core.mpi.stop import ControlStop, StopRun
+from mpipipe.core.mpi.transport import Late, PeerFailed, set_wait_hook
+from mpipipe.core.run.batches import DataFault
+from mpipipe.core.state.checkpoint import CheckpointError
+from mpipipe.core.state.statecodec import pack_state, state_nbytes, unpack_state
 from mpipipe.respipe.control import _ANNOUNCE, _DEMOTED, _END, _STOP, _STOP_ASK, _Control
 from mpipipe.respipe.decide import round_patience
 from mpipipe.respipe.hot import HotMirror
@@ -133,7 +133,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self.out = out or sys.stdout
         self.in_shape = tuple(in_shape) if in_shape is not None else pipe.in_shape
         if schedule is None:
-            from mpipipe.core.recipe import Schedule
+            from mpipipe.core.run.recipe import Schedule
 
             schedule = Schedule(cfg, int(cfg["run"]["steps"]))
         self.schedule = schedule  # the hyperparameters of each step (a replay's too)
@@ -370,7 +370,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
 
     def _checkpoint(self) -> None:
         """This stage writes its own file (atomically); no barrier, so no rank can hang on it."""
-        from mpipipe.core import checkpoint
+        from mpipipe.core.state import checkpoint
 
         assert self.stage is not None
         checkpoint.save_stage(self.checkpoint_dir, step=self.done, stage=self.stage,

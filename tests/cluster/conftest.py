@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core import testbed
-from mpipipe.core.testbed import Testbed
+from mpipipe.tools import emulator
+from mpipipe.tools.emulator import Testbed
 
 THREE_NODES = """\
 subnet = "10.213.0.0/24"
@@ -37,7 +37,7 @@ def _why_not() -> str | None:
         return "the testbed needs root"
     if not Path("/proc/self/ns/net").exists():
         return "this kernel has no network namespaces"
-    missing = [t for t in testbed.TOOLS if shutil.which(t) is None]
+    missing = [t for t in emulator.TOOLS if shutil.which(t) is None]
     if missing:
         return f"missing {', '.join(missing)} (apt-get install iproute2 util-linux)"
     return None
@@ -51,11 +51,11 @@ def clean_machine() -> Iterator[None]:
         if os.environ.get("MPIPIPE_REQUIRE_CLUSTER") == "1":
             pytest.fail(f"cluster tests cannot run: {why}")
         pytest.skip(f"cluster tests: {why}")
-    testbed.down()
+    emulator.down()
     try:
         yield
     finally:
-        testbed.down()
+        emulator.down()
 
 
 @pytest.fixture(scope="session")
@@ -71,9 +71,9 @@ def bed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """The testbed of the module's ``NODES`` text (else the three nodes), up for the module."""
     path = tmp_path_factory.mktemp("testbed") / "bed.toml"
     path.write_text(getattr(request.module, "NODES", THREE_NODES))
-    tb = testbed.load(path)
-    testbed.up(tb)
+    tb = emulator.load(path)
+    emulator.up(tb)
     try:
         yield tb
     finally:
-        testbed.down()
+        emulator.down()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core import testbed
+from mpipipe.tools import emulator
 
 ROOT = Path(__file__).resolve().parents[2]
 # Ranks fill slots in file order: a takes ranks 0-2, b 3-5, c 6-7.
@@ -45,7 +45,7 @@ def _campaign(tmp_path: Path, system: str, config: str, *extra: str) -> list[dic
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert testbed.current() is None  # brought down again
+    assert emulator.current() is None  # brought down again
     return rows
 
 

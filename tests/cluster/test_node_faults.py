@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpipipe.core import testbed
-from mpipipe.core.launch import run_mpi
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
+from mpipipe.tools import emulator
+from mpipipe.tools.launch import run_mpi
 
 # Ranks fill slots in file order: stage 0 (rank 0) on a, stage 1 (rank 1) on b, stage 2
 # (rank 2) and the backup of stage 1 (rank 3) on c; d is empty.
@@ -44,7 +44,7 @@ HOSTS = ["mpt-a", "mpt-b", "mpt-c", "mpt-c"]
 
 
 @pytest.fixture(scope="module")
-def runs(bed: testbed.Testbed, respipe_args, tmp_path_factory: pytest.TempPathFactory):
+def runs(bed: emulator.Testbed, respipe_args, tmp_path_factory: pytest.TempPathFactory):
     """run(name, *settings, ulfm=..., on_testbed=...) -> (CompletedProcess, log, checkpoints)."""
     base = tmp_path_factory.mktemp("nodefaults")
 
@@ -90,7 +90,7 @@ def test_node_kill_of_a_stage_node_completes_and_equals_the_failure_free_run(run
     assert run.steps["samples"].sum() == STEPS * BATCH
     assert list(run.steps["step"]) == list(range(1, STEPS + 1))
     _same_params(ckpt, clean_ckpt)
-    assert testbed.current() is not None  # the testbed itself is untouched: only processes died
+    assert emulator.current() is not None  # the testbed itself is untouched: only processes died
     # What ULFM found is a dead rank: node b's stage, at the step of the fault.
     detected = run.events_of("failure_detected")
     assert detected and detected[0]["rank"] == 1 and detected[0]["detail"]["how"] == "ulfm"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core import testbed
-from mpipipe.core.launch import ROOT, run_mpi
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
+from mpipipe.tools import emulator
+from mpipipe.tools.launch import ROOT, run_mpi
 
 # Node a takes two ranks; b and c one each (ranks fill slots in file order).
 NODES = """\
@@ -31,7 +31,7 @@ link_mbit = 1000
 SAME_NODE_PLAN = ["plan.stage 1=0", "plan.backup 1=1", "plan.stage 0=2", "plan.stage 2=3"]
 
 
-def _train(digits: Path, log: Path, tb: testbed.Testbed, *settings: str):
+def _train(digits: Path, log: Path, tb: emulator.Testbed, *settings: str):
     cmd = ["-m", "mpipipe", "train", "--quiet", "--config", str(ROOT / "jobs/configs/respipe-digits.toml"),
            "--set", f'data.path="{digits}"', "--set", "run.steps=3", "--set", "run.eval_every=0",
            "--set", "resilience.backups={1=1}", "--log", str(log)]
@@ -41,7 +41,7 @@ def _train(digits: Path, log: Path, tb: testbed.Testbed, *settings: str):
 
 
 @pytest.mark.timeout(300)
-def test_backup_on_its_stage_node_is_refused(bed: testbed.Testbed, digits: Path, tmp_path: Path) -> None:
+def test_backup_on_its_stage_node_is_refused(bed: emulator.Testbed, digits: Path, tmp_path: Path) -> None:
     result = _train(digits, tmp_path / "refused.h5", bed, *SAME_NODE_PLAN)
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
@@ -52,7 +52,7 @@ def test_backup_on_its_stage_node_is_refused(bed: testbed.Testbed, digits: Path,
 
 
 @pytest.mark.timeout(300)
-def test_allowed_same_node_runs_and_logs_hosts(bed: testbed.Testbed, digits: Path, tmp_path: Path) -> None:
+def test_allowed_same_node_runs_and_logs_hosts(bed: emulator.Testbed, digits: Path, tmp_path: Path) -> None:
     log = tmp_path / "allowed.h5"
     result = _train(digits, log, bed, *SAME_NODE_PLAN, "resilience.allow_same_node=true")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core import testbed
-from mpipipe.core.launch import ROOT, mpirun_env
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
+from mpipipe.tools import emulator
+from mpipipe.tools.launch import ROOT, mpirun_env
 
 sys.path.insert(0, str(ROOT / "tests" / "slurm"))
 import check_logs  # noqa: E402
@@ -41,7 +41,7 @@ def _why_no_slurm() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def slurm(bed: testbed.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[privslurm.Cluster]:
+def slurm(bed: emulator.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[privslurm.Cluster]:
     """The private cluster, one slurmd per node of ``bed``; stopped by pid at the end."""
     why = _why_no_slurm()
     if why is not None:  # as conftest: a skip under make test-cluster would hide that nothing ran
@@ -120,12 +120,12 @@ def test_stannis_sbatch_puts_the_host_and_each_csd_on_its_own_node(
 
 
 @pytest.mark.timeout(60)
-def test_slurm_mpirun_args_only_inside_a_node(bed: testbed.Testbed) -> None:
+def test_slurm_mpirun_args_only_inside_a_node(bed: emulator.Testbed) -> None:
     cli = [sys.executable, "-m", "mpipipe.testbed", "mpirun-args", "--slurm"]
-    inside = subprocess.run(testbed.node_command(bed, "b", cli), capture_output=True, text=True, cwd=ROOT,
+    inside = subprocess.run(emulator.node_command(bed, "b", cli), capture_output=True, text=True, cwd=ROOT,
                             env=mpirun_env(), timeout=30)
     assert inside.returncode == 0, inside.stderr
-    assert inside.stdout.split() == testbed.slurm_mpirun_args(bed)
+    assert inside.stdout.split() == emulator.slurm_mpirun_args(bed)
     outside = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, env=mpirun_env(), timeout=30)
     assert outside.returncode == 2
     assert "does not run inside a node" in outside.stderr

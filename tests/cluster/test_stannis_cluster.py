@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core import testbed
-from mpipipe.core.launch import ROOT, run_mpi
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
+from mpipipe.tools import emulator
+from mpipipe.tools.launch import ROOT, run_mpi
 
 # The host first, so it gets rank 0 (Stannis's host rank); CSD k is rank k.
 NODES = """\
@@ -40,7 +40,7 @@ STEPS = 30
 
 
 @pytest.mark.timeout(600)
-def test_csd_node_killed_is_dropped_retuned_and_the_run_completes(bed: testbed.Testbed, stannis_split: Path,
+def test_csd_node_killed_is_dropped_retuned_and_the_run_completes(bed: emulator.Testbed, stannis_split: Path,
                                                                   assert_csd_dropped, tmp_path: Path) -> None:
     data = stannis_split
     log = tmp_path / "stannis-node-kill.h5"
@@ -56,4 +56,4 @@ def test_csd_node_killed_is_dropped_retuned_and_the_run_completes(bed: testbed.T
     fired = run.events_of("fault_injected")
     assert [(e["rank"], e["detail"]["fault"]) for e in fired] == [(3, "node-kill:node=csd3:step=15")]
     assert_csd_dropped(run, 3, STEPS)
-    assert testbed.current() is not None  # only the node's processes died, not the testbed
+    assert emulator.current() is not None  # only the node's processes died, not the testbed

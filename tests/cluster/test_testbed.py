@@ -11,23 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core import testbed
-from mpipipe.core.launch import kill_job, run_mpi, start_mpi
+from mpipipe.tools import emulator
+from mpipipe.tools.launch import kill_job, run_mpi, start_mpi
 
 WHERE = ("import socket; from mpi4py import MPI; "
          "cg = [l for l in open('/proc/self/cgroup').read().splitlines() if ':cpu:' in l or l.startswith('0::')]; "
          "print(MPI.COMM_WORLD.rank, socket.gethostname(), cg[0].rsplit('/', 1)[-1], flush=True)")
 
 
-def _in_node(tb: testbed.Testbed, node: str, *argv: str) -> str:
-    done = subprocess.run(testbed.node_command(tb, node, argv), capture_output=True, text=True, timeout=30)
+def _in_node(tb: emulator.Testbed, node: str, *argv: str) -> str:
+    done = subprocess.run(emulator.node_command(tb, node, argv), capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 @pytest.mark.timeout(60)
-def test_three_nodes_come_up(bed: testbed.Testbed) -> None:
-    assert testbed.current() == bed
+def test_three_nodes_come_up(bed: emulator.Testbed) -> None:
+    assert emulator.current() == bed
     hosts = Path("/etc/hosts").read_text()
     for node, address in zip(bed.nodes, ("10.213.0.2", "10.213.0.3", "10.213.0.4"), strict=True):
         # its own hostname, address, CPU budget and, both ways, its link rate
@@ -48,7 +48,7 @@ def test_three_nodes_come_up(bed: testbed.Testbed) -> None:
         assert f"rate {rate}" in _in_node(bed, node.name, "tc", "qdisc", "show", "dev", "eth0")
         host_end = subprocess.run(["tc", "qdisc", "show", "dev", node.host], capture_output=True, text=True)
         assert f"rate {rate}" in host_end.stdout
-        assert f"{address} {node.host} {testbed.HOSTS_TAG}" in hosts
+        assert f"{address} {node.host} {emulator.HOSTS_TAG}" in hosts
     # a node reaches the others over the bridge, and nothing else (no default route)
     routes = _in_node(bed, "a", "ip", "-4", "route")
     assert "default" not in routes and "10.213.0.0/24" in routes
@@ -57,7 +57,7 @@ def test_three_nodes_come_up(bed: testbed.Testbed) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_mpirun_puts_ranks_on_three_hostnames(bed: testbed.Testbed) -> None:
+def test_mpirun_puts_ranks_on_three_hostnames(bed: emulator.Testbed) -> None:
     result = run_mpi(3, ["-c", WHERE], timeout=90, testbed=bed)
     assert result.returncode == 0, result.stderr
     seen = sorted(line.split() for line in result.stdout.splitlines() if line[:1].isdigit())
@@ -66,7 +66,7 @@ def test_mpirun_puts_ranks_on_three_hostnames(bed: testbed.Testbed) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_shaped_link_rate_by_transport(bed: testbed.Testbed) -> None:
+def test_shaped_link_rate_by_transport(bed: emulator.Testbed) -> None:
     # ranks on a (1000 Mbit/s) and c (100 Mbit/s): c's link sets the rate both ways
     result = run_mpi(3, ["-m", "mpipipe.linkprobe", "--mbytes", "20", "--pairs", "0:2,2:0"],
                      timeout=150, testbed=bed)
@@ -100,7 +100,7 @@ if comm.rank == 0:
 
 
 @pytest.mark.timeout(120)
-def test_a_small_message_pays_the_link_rate(bed: testbed.Testbed) -> None:
+def test_a_small_message_pays_the_link_rate(bed: emulator.Testbed) -> None:
     # 32 KiB over c's 100 Mbit/s link: what the link's token bucket holds (1 ms of
     # traffic) crosses at once, the rest at the rate, 1.6 ms. A bucket of 64 KiB (as the
     # testbed once had) let it all through in 0.05 ms. A lower bound only: load can only
@@ -108,11 +108,11 @@ def test_a_small_message_pays_the_link_rate(bed: testbed.Testbed) -> None:
     result = run_mpi(3, ["-c", SMALL_MESSAGE], timeout=90, testbed=bed)
     assert result.returncode == 0, result.stderr
     one_way = float(result.stdout.split("one-way")[1].split()[0])
-    assert one_way >= 0.8 * (32768 - testbed.burst_bytes(100)) * 8 / 100e6, one_way
+    assert one_way >= 0.8 * (32768 - emulator.burst_bytes(100)) * 8 / 100e6, one_way
 
 
 @pytest.mark.timeout(120)
-def test_kill_job_ends_ranks_inside_nodes(bed: testbed.Testbed) -> None:
+def test_kill_job_ends_ranks_inside_nodes(bed: emulator.Testbed) -> None:
     # what run_mpi does on a timeout must also reach ranks started through the rsh agent
     job = start_mpi(3, ["-c", "import time; from mpi4py import MPI; print('up', flush=True); time.sleep(600)"],
                     testbed=bed, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -127,7 +127,7 @@ def test_kill_job_ends_ranks_inside_nodes(bed: testbed.Testbed) -> None:
     assert _node_pids(bed) == []
 
 
-def _node_pids(tb: testbed.Testbed) -> list[int]:
+def _node_pids(tb: emulator.Testbed) -> list[int]:
     pids = []
     for node in tb.nodes:
         out = subprocess.run(["ip", "netns", "pids", node.host], capture_output=True, text=True).stdout
@@ -136,22 +136,22 @@ def _node_pids(tb: testbed.Testbed) -> list[int]:
 
 
 @pytest.mark.timeout(60)
-def test_down_leaves_nothing_behind(bed: testbed.Testbed) -> None:
+def test_down_leaves_nothing_behind(bed: emulator.Testbed) -> None:
     # a process still running in a node (as after a crashed job) must not stop down
-    stray = subprocess.Popen(testbed.node_command(bed, "b", ["sleep", "600"]))
+    stray = subprocess.Popen(emulator.node_command(bed, "b", ["sleep", "600"]))
     try:
         time.sleep(0.5)
-        removed = testbed.down()
+        removed = emulator.down()
     finally:
         stray.kill()
         stray.wait()
     assert any(r.startswith("netns mpt-") for r in removed)
-    assert testbed.leftovers() == []
+    assert emulator.leftovers() == []
     assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                 if n.startswith("mpt-")]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert "mpt-" not in links
     assert not [g for d in ("cpu", "cpuset", ".") for g in Path("/sys/fs/cgroup", d).glob("mpt-*")]
-    assert testbed.HOSTS_TAG not in Path("/etc/hosts").read_text()
-    assert testbed.current() is None
-    assert testbed.down() == []  # idempotent
+    assert emulator.HOSTS_TAG not in Path("/etc/hosts").read_text()
+    assert emulator.current() is None
+    assert emulator.down() == []  # idempotent

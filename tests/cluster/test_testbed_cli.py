@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mpipipe.core import testbed
-from mpipipe.core.launch import ROOT, mpirun_env, run_mpi
+from mpipipe.tools import emulator
+from mpipipe.tools.launch import ROOT, mpirun_env, run_mpi
 
 
 def _cli(*args: str, user: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -43,17 +43,17 @@ def test_bad_file_is_one_line(tmp_path: Path, text: str, words: list[str]) -> No
     path = tmp_path / "bad.toml"
     path.write_text(text)
     _one_error_line(_cli("up", str(path)), str(path), *words)
-    assert testbed.leftovers() == []
+    assert emulator.leftovers() == []
 
 
 @pytest.mark.timeout(60)
 def test_without_root_is_one_line_and_no_fallback(three_nodes_file: Path) -> None:
     done = _cli("up", str(three_nodes_file), user="65534")
     _one_error_line(done, "needs root")
-    assert testbed.leftovers() == []
+    assert emulator.leftovers() == []
     # the launcher refuses a testbed that is not up rather than running on this host alone
-    with pytest.raises(testbed.TestbedError, match="not up"):
-        run_mpi(3, ["-c", "pass"], timeout=30, testbed=testbed.load(three_nodes_file))
+    with pytest.raises(emulator.TestbedError, match="not up"):
+        run_mpi(3, ["-c", "pass"], timeout=30, testbed=emulator.load(three_nodes_file))
 
 
 @pytest.mark.timeout(120)
@@ -63,19 +63,19 @@ def test_run_brings_up_and_down_and_passes_the_status(three_nodes_file: Path) ->
     assert done.returncode == 7, done.stderr
     assert done.stdout.split() == ["mpt-a", "slots=1", "mpt-b", "slots=1", "mpt-c", "slots=1",
                                    str(three_nodes_file)]
-    assert testbed.leftovers() == []
+    assert emulator.leftovers() == []
     # with that testbed up already, run uses it and leaves it up; up again is refused
     assert _cli("up", str(three_nodes_file)).returncode == 0
     try:
         assert _cli("run", str(three_nodes_file), "--", "true").returncode == 0
-        assert testbed.current() == testbed.load(three_nodes_file)
+        assert emulator.current() == emulator.load(three_nodes_file)
         _one_error_line(_cli("up", str(three_nodes_file)), "already up", "down")
         exe = _cli("exec", "c", "--", "hostname")
         assert exe.returncode == 0 and exe.stdout.strip() == "mpt-c"
         _one_error_line(_cli("exec", "z", "--", "true"), "no node 'z'")
     finally:
         assert _cli("down", str(three_nodes_file)).returncode == 0
-    assert testbed.leftovers() == []
+    assert emulator.leftovers() == []
 
 
 @pytest.mark.timeout(60)
@@ -89,15 +89,15 @@ def test_down_cleans_what_a_crash_left() -> None:
     if Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
         group.mkdir()
     with open("/etc/hosts", "a") as f:
-        f.write(f"10.213.0.9 mpt-crash {testbed.HOSTS_TAG}\n")
+        f.write(f"10.213.0.9 mpt-crash {emulator.HOSTS_TAG}\n")
     stray = subprocess.Popen(["nsenter", "--net=/run/netns/mpt-crash", "sleep", "600"])
     try:
-        assert len(testbed.leftovers()) >= 3
+        assert len(emulator.leftovers()) >= 3
         done = _cli("down")
         assert done.returncode == 0, done.stderr
         assert stray.wait(timeout=10) == -9
     finally:
         stray.kill()
-    assert testbed.leftovers() == []
+    assert emulator.leftovers() == []
     assert "mpt-crash" not in Path("/etc/hosts").read_text()
     assert _cli("down").stdout.strip() == "down: nothing of a testbed was up"

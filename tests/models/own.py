@@ -1,6 +1,6 @@
 """A user's own model, as a test brings it: Conv-BatchNorm-ReLU blocks with residual adds
 and Dropout before the classifier, written as a plain nn.Module (not an nn.Sequential),
-so that the pipeline must trace it into a chain (mpipipe.core.chain)."""
+so that the pipeline must trace it into a chain (mpipipe.core.run.chain)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from mpi4py import MPI
 from torch import nn
 
 from mpipipe import Pipeline
-from mpipipe.core.models import build_model
-from mpipipe.core.transport import ACT, Late, Transport
+from mpipipe.core.mpi.transport import ACT, Late, Transport
+from mpipipe.core.run.models import build_model
 from mpipipe.pipeline.engine import Route
 from mpipipe.pipeline.partition import balance_by_params, split
 

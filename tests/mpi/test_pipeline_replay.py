@@ -10,8 +10,8 @@ from mpi4py import MPI
 from torch import nn
 
 from mpipipe import Pipeline, Route
-from mpipipe.core.models import build_model
-from mpipipe.core.transport import Late
+from mpipipe.core.mpi.transport import Late
+from mpipipe.core.run.models import build_model
 
 
 def _pair(world: MPI.Comm) -> MPI.Comm | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mpipipe.core.runlog import LogError, open_log
+from mpipipe.core.logs.runlog import LogError, open_log
 
 
 def check(path: str, *, system: str, steps: int, events: tuple[str, ...] = ()) -> list[str]:

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = Path(__file__).with_name("slurm.conf.in")
 sys.path.insert(0, str(ROOT))  # run as a script from run.sh: mpipipe from this tree
 
-from mpipipe.core import testbed as _testbed  # noqa: E402
+from mpipipe.tools import emulator as _emulator  # noqa: E402
 
 __all__ = ["Cluster", "SlurmError", "first_job_id", "start", "stop", "main"]
 
@@ -133,7 +133,7 @@ def start(state: Path, *, on_testbed: bool = False, first_id: int = 1, timeout: 
             raise SlurmError(f"{tool} is not installed: run tests/slurm/run.sh once (it installs slurm-wlm "
                              f"and munge with apt-get) or apt-get install slurm-wlm munge")
     if on_testbed:
-        tb = _testbed.current()
+        tb = _emulator.current()
         if tb is None:
             raise SlurmError("no testbed is up: run 'python -m mpipipe.testbed up FILE' first")
         nodes = [(n.host, str(tb.address(n)), n.slots) for n in tb.nodes]
@@ -163,7 +163,7 @@ def start(state: Path, *, on_testbed: bool = False, first_id: int = 1, timeout: 
         for name in cluster.nodes:
             cmd = ["slurmd", "-D", "-N", name, "-f", conf]
             if on_testbed:  # exec: the agent's shell becomes slurmd, so the pid recorded is slurmd's
-                cmd = _testbed.node_command(tb, name, ["exec", *cmd])
+                cmd = _emulator.node_command(tb, name, ["exec", *cmd])
             _spawn(state, f"slurmd-{name}", cmd)
 
         def idle() -> bool:

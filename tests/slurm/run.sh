@@ -259,7 +259,7 @@ if [[ $SMOKE == 0 ]]; then
         ! PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PY" - "runs/$STOP_JOB/respipe.h5" "$STOP_CKPT" <<'PYEOF'
 import sys
 import torch
-from mpipipe.core.runlog import open_log
+from mpipipe.core.logs.runlog import open_log
 status = open_log(sys.argv[1]).attrs["status"]
 assert status.startswith("interrupted at step "), status
 step = int(status.rsplit(" ", 1)[1])

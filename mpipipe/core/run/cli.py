@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core import recipe
-from mpipipe.core.config import ConfigError, load_config
-from mpipipe.core.faults import FaultError, check_nodes, check_reachable, parse_all
-from mpipipe.core.progress import Progress, startup_line
-from mpipipe.core.roles import LaunchPlan, PlanError, check_world_size, fail_fast
-from mpipipe.core.runlog import LogError, RunLog
+from mpipipe.core.logs.progress import Progress, startup_line
+from mpipipe.core.logs.runlog import LogError, RunLog
+from mpipipe.core.mpi.faults import FaultError, check_nodes, check_reachable, parse_all
+from mpipipe.core.mpi.roles import LaunchPlan, PlanError, check_world_size, fail_fast
+from mpipipe.core.run import recipe
+from mpipipe.core.run.configfile import ConfigError, load_config
 
 __all__ = ["Run", "add_train_arguments", "add_dry_run_arguments", "start_run", "gather_figures"]
 
@@ -112,10 +112,10 @@ def default_log_path(system: str) -> Path:
 
 
 def planned_steps(cfg: Mapping[str, Any]) -> int:
-    """The optimizer steps a pipeline run will take (:func:`mpipipe.core.data.run_steps`), or 0
+    """The optimizer steps a pipeline run will take (:func:`mpipipe.core.run.batches.run_steps`), or 0
     if the data set cannot be read yet (its own check reports that). No torch: this runs
     before it."""
-    from mpipipe.core.data import DataError, run_steps
+    from mpipipe.core.run.batches import DataError, run_steps
 
     if int(cfg["run"]["steps"]) > 0 or int(cfg["run"].get("epochs", 0)) < 1:
         return int(cfg["run"]["steps"])
@@ -127,7 +127,7 @@ def planned_steps(cfg: Mapping[str, Any]) -> int:
 
 def check_faults(cfg: Mapping[str, Any], plan: LaunchPlan, specs: list[str], steps: int) -> None:
     """Refuse a malformed fault, or one that can never fire in this run (see
-    :func:`mpipipe.core.faults.check_reachable`), before torch is imported or a log is opened.
+    :func:`mpipipe.core.mpi.faults.check_reachable`), before torch is imported or a log is opened.
 
     Raises:
         FaultError: the first bad fault, named, with the reason.
@@ -182,7 +182,7 @@ def failed_before_first_step(path: Path) -> str | None:
     (a log with a row, a run still ``running`` or killed, a file that is not a run log or
     cannot be read) gives None: a real run's log is never replaced without ``--overwrite``.
     """
-    from mpipipe.core.runlog import FORMAT, open_for_reading
+    from mpipipe.core.logs.runlog import FORMAT, open_for_reading
 
     try:
         with open_for_reading(path) as f:
@@ -306,16 +306,16 @@ def start_run(
         fail_fast(comm, error, prog, rank)
     if rank != writer:
         log = RunLog.null(where, start, system=system)
-    from mpipipe.core import stop, watchdog
+    from mpipipe.core.mpi import stop, watchdog
 
     # A rank that makes no progress for run.watchdog_s ends the job, saying where
-    # (mpipipe.core.watchdog); its stack goes beside the log.
+    # (mpipipe.core.mpi.watchdog); its stack goes beside the log.
     watchdog.install(watchdog.Watchdog(
         rank=rank, seconds=float(cfg["run"].get("watchdog_s", 0.0)),
         stacks=Path(f"{where}.stacks") if where else Path(f"stacks-{os.getpid()}"),
         prog=prog, holds_log=lambda: log.active, close_log=lambda status: log.close(status),
         abort=comm.Abort))
-    stop.install(hosts)  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.core.stop)
+    stop.install(hosts)  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.core.mpi.stop)
     if total > 0:
         log.expect_steps(1, total)
     progress = Progress(total, enabled=(rank == writer), quiet=args.quiet,

@@ -1,9 +1,9 @@
 """The HDF5 run log: one file per run, written by one rank, flushed after every record.
 
-Both systems write the same schema, declared once in :mod:`mpipipe.core.logschema`
+Both systems write the same schema, declared once in :mod:`mpipipe.core.logs.logschema`
 (and described in docs/hdf5-log.md), so one report command reads every run; every
 record is checked against it, and one with an unknown column or event kind is refused
-(:class:`~mpipipe.core.logschema.SchemaError`). Rows are appended to extendable datasets and the file is
+(:class:`~mpipipe.core.logs.logschema.SchemaError`). Rows are appended to extendable datasets and the file is
 flushed after each call, so a run killed at any moment leaves a file that
 reads up to its last completed step.
 
@@ -38,7 +38,7 @@ import h5py
 import numpy as np
 from h5py import h5s
 
-from mpipipe.core.logschema import (
+from mpipipe.core.logs.logschema import (
     EVAL_COLUMNS,
     EVENT_COLUMNS,
     GROUPS,
@@ -51,7 +51,7 @@ from mpipipe.core.logschema import (
     dtypes,
     event_kind,
 )
-from mpipipe.core.progress import spans
+from mpipipe.core.logs.progress import spans
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_log", "open_for_reading",
            "package_versions", "EventKind", "SchemaError"]
@@ -59,7 +59,7 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_lo
 FORMAT = "mpipipe-runlog"
 FORMAT_VERSION = 1
 
-# The columns of each group (mpipipe/core/logschema.py declares them, with their meanings).
+# The columns of each group (mpipipe/core/logs/logschema.py declares them, with their meanings).
 _STEP_FIELDS = dtypes(STEP_COLUMNS)
 _EVAL_FIELDS = dtypes(EVAL_COLUMNS)
 _RANK_FIELDS = dtypes(RANK_COLUMNS)
@@ -628,10 +628,10 @@ class RunLog:
         return self._file[group][name][()]
 
     def throughput(self) -> float:
-        """:func:`mpipipe.core.progress.throughput` of this writer's file as it holds it now, its
+        """:func:`mpipipe.core.logs.progress.throughput` of this writer's file as it holds it now, its
         ``resume`` events included (NaN where this rank's file is not open): the figure the
         report will give, so that a resumed run's summary says the same."""
-        from mpipipe.core.progress import throughput
+        from mpipipe.core.logs.progress import throughput
 
         kinds = [k.decode() if isinstance(k, bytes) else str(k) for k in self.written("kind", "events")]
         resumed = [int(st) for k, st in zip(kinds, self.written("step", "events"), strict=True)

@@ -23,7 +23,7 @@ A node is
     ``/etc/hosts`` so that ``mpirun`` on the host finds it.
 
 Processes enter a node through ``jobs/testbed/rsh-agent`` (Open MPI's rsh agent, and
-``python -m mpipipe.testbed exec``): join the cgroups first, then ``nsenter --net`` (not
+``python -m mpipipe testbed exec``): join the cgroups first, then ``nsenter --net`` (not
 ``ip netns exec``, which remounts ``/sys`` and hides the cgroup tree), ``unshare --uts``,
 set the hostname, exec.
 
@@ -52,15 +52,16 @@ import tomllib
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+from mpipipe.core.mpi.testbed_nodes import PREFIX, STATE
 
 __all__ = ["PREFIX", "AGENT", "TestbedError", "Node", "Testbed", "load", "check_supported", "up", "down",
            "current", "running", "leftovers", "mpirun_args", "slurm_mpirun_args", "node_here", "node_command",
-           "main"]
+           "add_parser", "main"]
 
-PREFIX = "mpt-"
 HOSTS_TAG = "# mpt-testbed"
 BRIDGE = PREFIX + "br"
-STATE = Path("/run") / (PREFIX + "testbed")
 LOCK = Path("/run") / (PREFIX + "testbed.lock")
 HOSTS = Path("/etc/hosts")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -401,7 +402,7 @@ def up(tb: Testbed) -> None:
         left = leftovers()
         if left:
             raise TestbedError(f"a testbed is already up or was left behind ({left[0]}, ...); "
-                               f"run 'python -m mpipipe.testbed down' first")
+                               f"run 'python -m mpipipe testbed down' first")
         _check_subnet_free(tb.subnet)
         try:
             _up(tb)
@@ -619,7 +620,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     up(tb)
     _print_nodes(tb)
-    print(f"up in {time.monotonic() - t0:.1f} s; 'python -m mpipipe.testbed down' removes it")
+    print(f"up in {time.monotonic() - t0:.1f} s; 'python -m mpipipe testbed down' removes it")
     return 0
 
 
@@ -640,7 +641,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         _print_nodes(tb)
     elif left:
         print(f"no testbed is up, but {len(left)} leftovers are ({left[0]}, ...); "
-              f"'python -m mpipipe.testbed down' removes them")
+              f"'python -m mpipipe testbed down' removes them")
     else:
         print("no testbed is up")
     return 0
@@ -667,7 +668,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_exec(args: argparse.Namespace) -> int:
     tb = current()
     if tb is None:
-        raise TestbedError("no testbed is up; run 'python -m mpipipe.testbed up FILE' first")
+        raise TestbedError("no testbed is up; run 'python -m mpipipe testbed up FILE' first")
     return subprocess.run(node_command(tb, args.node, _command(args.cmd, "exec"))).returncode
 
 
@@ -687,36 +688,38 @@ def _cmd_mpirun_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """``up FILE | run FILE -- CMD | exec NODE -- CMD | down [FILE] | status | mpirun-args FILE|--slurm``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m mpipipe.testbed",
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """The ``testbed`` command of ``python -m mpipipe``: ``up FILE | run FILE -- CMD | exec NODE -- CMD |
+    down [FILE] | status | mpirun-args FILE|--slurm``."""
+    parser = subparsers.add_parser(
+        "testbed", help="the emulated cluster on this machine: up, run, exec, down, status, mpirun-args",
         description="An emulated cluster on this machine: nodes with their own link rate, hostname and "
                     "CPU budget (needs root). Rate only: no delay or loss emulation (netem is not available).")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="testbed_command", metavar="COMMAND", required=True)
     p = sub.add_parser("up", help="make the testbed of FILE")
     p.add_argument("file")
-    p.set_defaults(func=_cmd_up)
+    p.set_defaults(testbed_func=_cmd_up)
     p = sub.add_parser("run", help="run CMD on the host with the testbed of FILE up (made and removed "
                                    "around CMD unless it is up already); MPIPIPE_TESTBED names FILE")
     p.add_argument("file")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_run)
+    p.set_defaults(testbed_func=_cmd_run)
     p = sub.add_parser("exec", help="run CMD inside NODE (its cgroup, network and hostname)")
     p.add_argument("node")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_exec)
+    p.set_defaults(testbed_func=_cmd_exec)
     p = sub.add_parser("down", help="remove the testbed and anything a crashed run left (idempotent)")
     p.add_argument("file", nargs="?")
-    p.set_defaults(func=_cmd_down)
+    p.set_defaults(testbed_func=_cmd_down)
     p = sub.add_parser("status", help="show the testbed that is up")
-    p.set_defaults(func=_cmd_status)
+    p.set_defaults(testbed_func=_cmd_status)
     p = sub.add_parser("mpirun-args", help="print, one a line, the mpirun options for the testbed of FILE "
                                            "(--slurm: for a Slurm job on the testbed that is up)")
     p.add_argument("file", nargs="?")
     p.add_argument("--slurm", action="store_true",
                    help="the options for mpirun inside a Slurm allocation of the nodes (run inside a node)")
-    p.set_defaults(func=_cmd_mpirun_args)
+    p.set_defaults(testbed_func=_cmd_mpirun_args)
+    parser.set_defaults(func=main)
     return parser
 
 
@@ -725,18 +728,13 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(args: argparse.Namespace) -> int:
     """Run one testbed command; any TestbedError is one line on stderr and exit status 2."""
-    args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return int(args.func(args))
+        return int(args.testbed_func(args))
     except TestbedError as e:
-        print(f"python -m mpipipe.testbed: error: {e}", file=sys.stderr)
+        print(f"python -m mpipipe testbed: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

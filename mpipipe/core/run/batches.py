@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import native
-from mpipipe.core.config import ConfigError
+from mpipipe.core.run.configfile import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +25,7 @@ class DataError(ValueError):
 class DataFault(DataError):
     """A fatal data error found while training: a damaged record or a label out of range.
 
-    Not a failure of the rank that found it: every rank stops (mpipipe.core.stop), none
+    Not a failure of the rank that found it: every rank stops (mpipipe.core.mpi.stop), none
     takes over. The message is one line naming the shard, the record and the fix.
     """
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpipipe.core.lr import decay
+from mpipipe.core.run.lr import decay
 
 if TYPE_CHECKING:
     import torch
@@ -180,7 +180,7 @@ def build_model(cfg: Mapping[str, Any], in_shape: Sequence[int],
     """The configuration's model as a chain a pipeline can cut: a shipped one by
     ``model.name``, or the user's ``model.factory`` called with ``model.kwargs`` (an
     ``nn.Sequential`` is flattened, another module traced into pieces,
-    :func:`mpipipe.core.chain.sequential`). Seed torch first: every rank must build the
+    :func:`mpipipe.core.run.chain.sequential`). Seed torch first: every rank must build the
     same weights (:func:`checksum` checks it).
 
     Raises:
@@ -204,7 +204,7 @@ def chain_keys() -> set[str]:
 def _build(cfg: Mapping[str, Any], in_shape: Sequence[int], base: Path | None) -> nn.Sequential:
     from torch import nn
 
-    from mpipipe.core import models
+    from mpipipe.core.run import models
 
     m = cfg["model"]
     _NAMES.clear()
@@ -243,7 +243,7 @@ def _build(cfg: Mapping[str, Any], in_shape: Sequence[int], base: Path | None) -
 
 
 def as_chain(model: nn.Module, in_shape: Sequence[int]) -> nn.Sequential:
-    """``model`` as an ``nn.Sequential`` (:func:`mpipipe.core.chain.sequential`), checked
+    """``model`` as an ``nn.Sequential`` (:func:`mpipipe.core.run.chain.sequential`), checked
     on one zero sample of ``in_shape``.
 
     Raises:
@@ -251,7 +251,7 @@ def as_chain(model: nn.Module, in_shape: Sequence[int]) -> nn.Sequential:
     """
     import torch
 
-    from mpipipe.core.chain import ChainError, sequential
+    from mpipipe.core.run.chain import ChainError, sequential
 
     try:
         chain = sequential(model, torch.zeros(2, *in_shape))
@@ -442,7 +442,7 @@ class Schedule:
             group["lr"] = rate(self.base_rate(group))
 
     def describe(self) -> dict[str, Any]:
-        """The ``schedule`` part of the recipe that runs (mpipipe.core.logschema.RECIPE)."""
+        """The ``schedule`` part of the recipe that runs (mpipipe.core.logs.logschema.RECIPE)."""
         if self._sched is None:
             part: dict[str, Any] = {"source": "config", "rule": self._optim.get("schedule", "constant"),
                                     "base": "optimizer" if self._own_rate else "optim.lr"}
@@ -579,7 +579,7 @@ def stored_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def describe(cfg: Mapping[str, Any], model: nn.Module, schedule: Schedule, loss: Any, *,
              optimizer: Any = None, rate: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The recipe that runs, as the log's ``recipe`` attribute records it (its keys:
-    :data:`mpipipe.core.logschema.RECIPE`): read from the objects themselves, whether the
+    :data:`mpipipe.core.logs.logschema.RECIPE`): read from the objects themselves, whether the
     configuration named them or a script gave them.
 
     Call it on the log's writer right after :func:`build_model`, before any step or
@@ -592,9 +592,9 @@ def describe(cfg: Mapping[str, Any], model: nn.Module, schedule: Schedule, loss:
     named under ``error``.
 
     Raises:
-        mpipipe.core.logschema.SchemaError: a part or key the schema does not declare.
+        mpipipe.core.logs.logschema.SchemaError: a part or key the schema does not declare.
     """
-    from mpipipe.core.logschema import check_recipe
+    from mpipipe.core.logs.logschema import check_recipe
 
     record = {"model": _model_part(model), "optimizer": _optimizer_part(cfg, model, optimizer),
               "schedule": schedule.describe(), "loss": _loss_part(loss)}

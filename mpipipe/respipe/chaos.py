@@ -14,7 +14,7 @@ fault list alone against docs/respipe.md:
 - ``refused``: one line at start-up (a fault that can never fire);
 - ``lost-stage``: one clean error line where a stage truly ran out of holders (every
   rank that held it was a fault's target);
-- otherwise HANG, CRASH, WRONG or UNEXPECTED (see :mod:`mpipipe.core.chaos`).
+- otherwise HANG, CRASH, WRONG or UNEXPECTED (see :mod:`mpipipe.tools.campaign`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core import chaos
-from mpipipe.core.chaos import Job, Scenario, Verdict
+from mpipipe.tools import campaign
+from mpipipe.tools.campaign import Job, Scenario, Verdict
 
 __all__ = ["add_parser", "main", "judge"]
 
@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog="example:\n  python -m mpipipe chaos --config jobs/configs/respipe-digits.toml "
                "--set data.path=data/digits --runs 12 --seed 1",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    chaos.add_chaos_arguments(parser, runs=20)
+    campaign.add_chaos_arguments(parser, runs=20)
     parser.add_argument("--modes", default=",".join(MODES),
                         help="resilience modes to draw from (default: cold,hot,neighbour)")
     parser.add_argument("--stages", default="",
@@ -75,11 +75,11 @@ class _Campaign:
     """The user's job, and the failure-free references, cached by what they depend on."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from mpipipe.core.config import load_config
+        from mpipipe.core.run.configfile import load_config
         from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
         self.args = args
-        self.config = chaos.config_path(args.config)
+        self.config = campaign.config_path(args.config)
         self.cfg = load_config(self.config, args.set, PIPELINE_DEFAULTS, PIPELINE_CHOICES)
         self.modes = _words(args.modes, MODES, "--modes")
         self.stages = [int(s) for s in args.stages.split(",") if s.strip()] if args.stages \
@@ -91,13 +91,13 @@ class _Campaign:
         self.chunks = int(self.cfg["pipeline"]["chunks"])
         self.refs: dict[tuple[str, ...], tuple[Job, _Reference]] = {}
         # On a testbed: the node of each rank, in launch order.
-        self.testbed, self.slots = chaos.testbed_slots(args, max(self.stages))
+        self.testbed, self.slots = campaign.testbed_slots(args, max(self.stages))
 
     def draw(self, rng: random.Random, index: int) -> Scenario:
         """Scenario ``index``: knobs and faults, redrawn until every fault can fire."""
-        from mpipipe.core.cli import check_faults
-        from mpipipe.core.config import load_config
-        from mpipipe.core.faults import FaultError, check_nodes, parse_all, target_rank
+        from mpipipe.core.mpi.faults import FaultError, check_nodes, parse_all, target_rank
+        from mpipipe.core.run.cli import check_faults
+        from mpipipe.core.run.configfile import load_config
         from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
         from mpipipe.pipeline.plan import pipeline_plan
 
@@ -138,8 +138,8 @@ class _Campaign:
         faults: list[str] = []
         for _ in range(rng.choice((1, 1, 2, 2, 3))):
             for _attempt in range(20):
-                if nodes and rng.random() < chaos.NODE_FAULT_P:
-                    spec = chaos.node_fault(rng, nodes, n)
+                if nodes and rng.random() < campaign.NODE_FAULT_P:
+                    spec = campaign.node_fault(rng, nodes, n)
                 else:
                     spec = _fault(rng, stage_ranks, backup_ranks, mode, n, self.chunks, faults)
                 try:
@@ -152,7 +152,7 @@ class _Campaign:
                 break
         knobs = {"K": k, "mode": mode, "R": r, "DF": df, "N": n, "backups": table,
                  "world": world}
-        targets = chaos.hit_ranks(faults, hosts, lambda f: target_rank(f, plan))
+        targets = campaign.hit_ranks(faults, hosts, lambda f: target_rank(f, plan))
         # A step's loss lives on three ranks (the last stage, the log's writer, the loss
         # keeper); docs/respipe.md allows a NaN loss in a row whose three all went at
         # once: rows S and S + 1 of a fault step S at which 3 or more ranks were hit.
@@ -160,7 +160,7 @@ class _Campaign:
         for f, spec in zip(parse_all(faults), faults, strict=True):
             if f.kind in ("kill", "stall", "node-kill", "partition") and not f.round:
                 at_once.setdefault(f.step, []).extend(
-                    chaos.hit_ranks([spec], hosts, lambda g: target_rank(g, plan)))
+                    campaign.hit_ranks([spec], hosts, lambda g: target_rank(g, plan)))
         nan_ok = sorted({row for step, hit in at_once.items() if len(set(hit)) >= 3
                          for row in (step, step + 1)})
         facts = {"targets": targets, "stage_ranks": stage_ranks, "nan_ok": nan_ok,
@@ -179,16 +179,16 @@ class _Campaign:
             name = "ref-" + hashlib.sha1("\0".join(key).encode()).hexdigest()[:10]
             log = folder / f"{name}.h5"
             shutil.rmtree(folder / f"{name}-ckpt", ignore_errors=True)
-            argv = chaos.python_argv("mpipipe", config=self.config,
+            argv = campaign.python_argv("mpipipe", config=self.config,
                                      sets=[*sets, f'run.checkpoint_dir="{folder / name}-ckpt"'],
                                      faults=[], log=log)
-            job = chaos.run_job(sc.knobs["K"], argv, log=log, ulfm=False, timeout=600,
+            job = campaign.run_job(sc.knobs["K"], argv, log=log, ulfm=False, timeout=600,
                                 testbed=self.testbed)
             if job.rc != 0:
-                raise chaos.reference_failed(job)
-            ref, why = chaos.read_log(log)
+                raise campaign.reference_failed(job)
+            ref, why = campaign.read_log(log)
             if ref is None:
-                raise chaos.ReferenceFailed(f"the failure-free reference run's log {log} is "
+                raise campaign.ReferenceFailed(f"the failure-free reference run's log {log} is "
                                             f"unreadable: {why}")
             self.refs[key] = (job, _Reference([float(x) for x in ref.steps["loss"]],
                                               _final_state(folder / f"{name}-ckpt")))
@@ -200,12 +200,12 @@ class _Campaign:
         log = folder / f"{name}.h5"
         ckpt = folder / f"{name}-ckpt"
         shutil.rmtree(ckpt, ignore_errors=True)  # (a rerun's: no stale stage file)
-        argv = chaos.python_argv("mpipipe", config=self.config,
+        argv = campaign.python_argv("mpipipe", config=self.config,
                                  sets=[*sc.sets, f'run.checkpoint_dir="{ckpt}"'],
                                  faults=sc.faults, log=log)
         timeout = self.args.timeout_factor * ref_job.wall_s + \
-            chaos.fault_time(sc.faults, int(sc.knobs["N"])) + 60.0
-        job = chaos.run_job(sc.world, argv, log=log, timeout=timeout, testbed=self.testbed)
+            campaign.fault_time(sc.faults, int(sc.knobs["N"])) + 60.0
+        job = campaign.run_job(sc.world, argv, log=log, timeout=timeout, testbed=self.testbed)
         return job, judge(sc, job, ckpt, ref)
 
 
@@ -281,7 +281,7 @@ def _stage_may_be_lost(sc: Scenario) -> bool:
 
 def judge(sc: Scenario, job: Job, ckpt: Path, ref: _Reference) -> Verdict:
     """The verdict of one run, from its exit, output and log and the fault list alone."""
-    run, verdict = chaos.first_verdict(job)
+    run, verdict = campaign.first_verdict(job)
     if verdict is not None:
         return verdict
     status = str(run.attrs.get("status", ""))
@@ -292,7 +292,7 @@ def judge(sc: Scenario, job: Job, ckpt: Path, ref: _Reference) -> Verdict:
             return Verdict("CRASH", f"exit {job.rc} after {status[:120]!r} (expected 2 and "
                                     "one error line)")
         written = [int(s) for s in run.steps.get("step", [])]
-        gaps = chaos.rows_once(run, written[-1] if written else 0, _nan_ok(sc))
+        gaps = campaign.rows_once(run, written[-1] if written else 0, _nan_ok(sc))
         if gaps:
             return Verdict("WRONG", gaps)
         if not _stage_may_be_lost(sc):
@@ -302,7 +302,7 @@ def judge(sc: Scenario, job: Job, ckpt: Path, ref: _Reference) -> Verdict:
     if status != "completed" or job.rc != 0:
         return Verdict("CRASH" if status in ("", "running") or job.rc not in (0, 2)
                        else "UNEXPECTED", f"exit {job.rc}, log status {status[:160]!r}")
-    gaps = chaos.rows_once(run, n, _nan_ok(sc))
+    gaps = campaign.rows_once(run, n, _nan_ok(sc))
     if gaps:
         return Verdict("WRONG", gaps)
     replaced = {int(e["rank"]) for e in run.events_of("late") + run.events_of("failure_detected")}
@@ -348,4 +348,4 @@ def _compare(run: Any, ckpt: Path, ref: _Reference) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    return chaos.main(args, system="mpipipe", build=_Campaign)
+    return campaign.main(args, system="mpipipe", build=_Campaign)

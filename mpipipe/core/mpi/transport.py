@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpipipe.core import watchdog
+from mpipipe.core.mpi import watchdog
 
 # Message kinds (3 bits of the tag). EVAL carries forward-only evaluation traffic so that
 # it can never be matched by a training receive of the same step number.
@@ -44,7 +44,7 @@ _wait_hook: Callable[[], None] | None = None
 def set_wait_hook(hook: Callable[[], None] | None) -> None:
     """Call ``hook()`` every HOOK_EVERY_S while any receive or flush waits; an exception it
     raises ends the wait (the receive is cancelled). Why: ResPipe's clean stop reaches a
-    rank blocked on a peer that stopped (mpipipe.core.stop) long before that peer's deadline."""
+    rank blocked on a peer that stopped (mpipipe.core.mpi.stop) long before that peer's deadline."""
     global _wait_hook
     _wait_hook = hook
 

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core.testbed import Testbed, TestbedError, current
-from mpipipe.core.testbed import mpirun_args as testbed_mpirun_args
+from mpipipe.tools.emulator import Testbed, TestbedError, current
+from mpipipe.tools.emulator import mpirun_args as testbed_mpirun_args
 
 __all__ = ["ROOT", "mpirun_env", "mpirun_command", "start_mpi", "kill_job", "run_mpi", "JobTimeout"]
 
@@ -47,7 +47,7 @@ def mpirun_command(n: int, *argv: str, ulfm: bool = False, python: str = sys.exe
     """``mpirun [--with-ft ulfm] --oversubscribe -n N python ARGV...`` with the venv's mpirun.
 
     With a ``testbed``, the ranks run across its nodes instead (see
-    :func:`mpipipe.core.testbed.mpirun_args`): they fill the nodes' slots, and more ranks than
+    :func:`mpipipe.tools.emulator.mpirun_args`): they fill the nodes' slots, and more ranks than
     slots is an error rather than an oversubscription. ``nodes`` (testbed only) keeps the
     job to those nodes, in that order, with their slots: e.g. a relaunch on which a spare
     node stands in for a dead one.

@@ -59,7 +59,7 @@ def set_aside(run: Any) -> Iterator[Any]:
 
 
 def _idle_until_end(end: Any, MPI: Any) -> None:
-    from mpipipe.core import watchdog
+    from mpipipe.core.mpi import watchdog
 
     request = end.Ibarrier()
     try:
@@ -69,6 +69,6 @@ def _idle_until_end(end: Any, MPI: Any) -> None:
     except MPI.Exception:
         # A working rank died (ULFM). Leave without MPI_Finalize, whose world-wide
         # agreement could wait for the dead rank (as ResPipe's ranks do).
-        from mpipipe.core.stop import flush_and_exit
+        from mpipipe.core.mpi.stop import flush_and_exit
 
         flush_and_exit(0)

@@ -178,7 +178,7 @@ def load_config(
         _assign(cfg, defaults, keys, value, f"--set {text}")
     if choices:
         _check_choices(cfg, choices)
-    from mpipipe.core.recipe import anchor
+    from mpipipe.core.run.recipe import anchor
 
     anchor(cfg, path)  # a user's file.py:name beside the config file
     return cfg

@@ -11,7 +11,7 @@ by element size (8-byte dtypes first), so every segment is aligned for its dtype
 padding and the byte count is the sum of the tensors' bytes, whatever their grouping.
 
 The learning-rate schedule is not part of this state: it is a pure function of the step
-(:mod:`mpipipe.core.recipe`), and so is a stage's random stream (Dropout), seeded per
+(:mod:`mpipipe.core.run.recipe`), and so is a stage's random stream (Dropout), seeded per
 micro-batch by the pipeline engine.
 """
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from mpipipe.core.logschema import EventKind as K
-from mpipipe.core.runlog import RunData
+from mpipipe.core.logs.logschema import EventKind as K
+from mpipipe.core.logs.runlog import RunData
 
 __all__ = ["SystemPlots", "register_plots", "registered_plots", "as_float", "first_step_time", "roles",
            "rank_time", "rank_label", "mark_events", "save", "LINESTYLES", "ROUTINE_EVENTS",

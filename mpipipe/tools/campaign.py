@@ -3,14 +3,14 @@ limit with real mpirun and ULFM, and hold its end against what the docs promise.
 
 Why a command and not only tests: a user trusts a fault-tolerant trainer only once it
 survived faults nobody planned, on their own model and configuration. Each system
-supplies how to draw a scenario and how to judge its end (``mpipipe.chaos`` for
+supplies how to draw a scenario and how to judge its end (``mpipipe.respipe.chaos`` for
 ResPipe, ``stannis.chaos`` for Stannis); this module runs the campaign: seeds, time
 limits, cleanup, the table and the JSON lines.
 
 Every scenario is drawn from its own seed (the campaign's seed and its index), so
 ``--only i`` reruns scenario i alone, exactly. Every process a run starts lives in a
 session of its own and is killed by session id when the run ends or times out
-(:func:`mpipipe.core.launch.kill_job`), never by name.
+(:func:`mpipipe.tools.launch.kill_job`), never by name.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core.launch import JobTimeout, run_mpi
-from mpipipe.core.testbed import Testbed, TestbedError, load, running
+from mpipipe.tools.emulator import Testbed, TestbedError, load, running
+from mpipipe.tools.launch import JobTimeout, run_mpi
 
 __all__ = ["Scenario", "Job", "Verdict", "GOOD", "BAD", "add_chaos_arguments", "parse_budget",
            "ReferenceFailed", "reference_failed",
@@ -178,7 +178,7 @@ def reference_failed(job: Job, what: str = "the failure-free reference run") -> 
 
 def run_job(world: int, argv: Sequence[str], *, log: Path, timeout: float,
             ulfm: bool = True, testbed: Testbed | None = None) -> Job:
-    """Run ``python ARGV`` on ``world`` ranks with :func:`mpipipe.core.launch.run_mpi`
+    """Run ``python ARGV`` on ``world`` ranks with :func:`mpipipe.tools.launch.run_mpi`
     (on the time limit every rank prints its stack, then the job's whole session is
     killed), across ``testbed``'s nodes if given; its output also goes beside the log
     (``.out``, ``.err``).
@@ -236,7 +236,7 @@ def hit_ranks(faults: Sequence[str], hosts: Sequence[str],
               rank_of: Callable[[Any], int | None]) -> list[int]:
     """Every rank a fault aims at: ``rank_of(fault)`` for a rank's or a stage's, and every
     rank on the node (``hosts``: each rank's host) for a node fault."""
-    from mpipipe.core.faults import parse_all
+    from mpipipe.core.mpi.faults import parse_all
 
     hit: set[int] = set()
     for f in parse_all(faults):
@@ -252,7 +252,7 @@ def fault_time(faults: Sequence[str], steps: int) -> float:
     """Seconds the faults themselves may add to a run, for its time limit: each stall,
     a delay's expected sleeps three times over, 30 s for a slow-down, and, for a fault
     inside a recovery round (``round=1``), the round's wait for the build besides."""
-    from mpipipe.core.faults import parse_all
+    from mpipipe.core.mpi.faults import parse_all
 
     total = 0.0
     for f in parse_all(faults):
@@ -269,7 +269,7 @@ def fault_time(faults: Sequence[str], steps: int) -> float:
 
 def read_log(path: Path) -> tuple[Any | None, str]:
     """The run's log, or None and why it cannot be read."""
-    from mpipipe.core.runlog import LogError, open_log
+    from mpipipe.core.logs.runlog import LogError, open_log
 
     try:
         return open_log(path), ""

@@ -4,7 +4,7 @@ mpirun, with the user's own Python objects, and give back what it did.
 Why the command itself: ``python -m mpipipe train`` and ``mpipipe.train(...)`` must be one
 program, so that a script and the command line cannot drift apart. The script's objects
 (model, optimizer, scheduler, loss) take the place of the configuration's names through
-:func:`mpipipe.core.recipe.give`; errors end the job exactly as on the command line (one
+:func:`mpipipe.core.run.recipe.give`; errors end the job exactly as on the command line (one
 line, exit status 2), because under MPI one rank cannot raise while the others wait.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpipipe.core import recipe
-from mpipipe.core.cli import Run, add_train_arguments, default_log_path
+from mpipipe.core.run import recipe
+from mpipipe.core.run.cli import Run, add_train_arguments, default_log_path
 
 __all__ = ["Result", "TrainingFailed", "run_command", "shared_log_path", "stage_states"]
 
@@ -104,13 +104,13 @@ def run_command(main: Callable[[argparse.Namespace], int], config: str | Path | 
 def stage_states(directory: Path, step: int, wait_s: float = 60.0) -> dict[str, Any]:
     """The whole model's state_dict from the stages' checkpoints of ``step`` in
     ``directory``: each stage writes its own at the run's end, and this waits until they
-    hold every entry of the model (:func:`mpipipe.core.recipe.chain_keys`), however many
+    hold every entry of the model (:func:`mpipipe.core.run.recipe.chain_keys`), however many
     stages there were at the end (a neighbour takeover merges two).
 
     Raises:
         TrainingFailed: the checkpoints of that step did not cover the model in ``wait_s``.
     """
-    from mpipipe.core import checkpoint
+    from mpipipe.core.state import checkpoint
 
     want = recipe.chain_keys()
     give_up = time.monotonic() + wait_s

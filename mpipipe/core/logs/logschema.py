@@ -5,7 +5,7 @@ Why one module: the plain pipeline, ResPipe and Stannis write the same file form
 column or an event kind touched about eight files and nothing caught a misspelt one: a
 row with an unknown key lost it without a word, and a report looking for ``"takeover"``
 found nothing when a writer wrote ``"take_over"``. Now the writer
-(:class:`mpipipe.core.runlog.RunLog`) checks every record against these tables and
+(:class:`mpipipe.core.logs.runlog.RunLog`) checks every record against these tables and
 refuses an unknown column or event kind with an error naming it, and
 ``docs/hdf5-log.md`` is checked against them (tests/test_report.py).
 
@@ -14,7 +14,7 @@ The on-disk format is the one FORMAT_VERSION 1 has always had: :class:`EventKind
 "takeover"``), so a writer may pass either, and a reader compares either.
 
 The ``recipe`` root attribute (what trained: model, optimizer, schedule, loss) is declared
-here too (:data:`RECIPE`): :func:`mpipipe.core.recipe.describe` writes it and checks it
+here too (:data:`RECIPE`): :func:`mpipipe.core.run.recipe.describe` writes it and checks it
 with :func:`check_recipe`, and ``mpipipe report`` reads it by these names.
 
 Adding a column: add it to the group's tuple here (name, dtype, unit, meaning, who
@@ -171,7 +171,7 @@ def event_kind(kind: str) -> EventKind:
         raise SchemaError(
             f"unknown event kind {kind!r}: a run log records only "
             f"{', '.join(k.value for k in EventKind)} (add a new kind to EventKind in "
-            f"mpipipe/core/logschema.py and to docs/hdf5-log.md)") from None
+            f"mpipipe/core/logs/logschema.py and to docs/hdf5-log.md)") from None
 
 
 def dtypes(columns: Iterable[Column]) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def check_columns(group: str, names: Iterable[str], where: str = "") -> None:
         raise SchemaError(
             f"unknown column{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
             f"for /{group}{' ' + where if where else ''}: the schema has "
-            f"{', '.join(c.name for c in GROUPS[group])} (add a column to mpipipe/core/logschema.py "
+            f"{', '.join(c.name for c in GROUPS[group])} (add a column to mpipipe/core/logs/logschema.py "
             f"and docs/hdf5-log.md)")
 
 
@@ -212,7 +212,7 @@ class Field:
 #: the optimizer, the schedule, the loss), whether they came from the configuration or
 #: were given to ``mpipipe.train`` / ``stannis.train``. Why beside ``config``: a script's
 #: objects replace configuration keys, and the configuration alone then names defaults
-#: that never ran (issue 37). :func:`mpipipe.core.recipe.describe` writes it, and checks
+#: that never ran (issue 37). :func:`mpipipe.core.run.recipe.describe` writes it, and checks
 #: it here; ``mpipipe report`` reads it by these names. A part holds only the keys that
 #: apply to it (a shipped model has a ``name``, a factory model a ``factory``).
 RECIPE: dict[str, tuple[Field, ...]] = {
@@ -225,7 +225,7 @@ RECIPE: dict[str, tuple[Field, ...]] = {
         Field("factory", "`factory` only: model.factory as the run resolved it"),
         Field("kwargs", "`factory` only: model.kwargs, the factory's keyword arguments"),
         Field("parameters", "the number of parameters (elements of the distinct parameter tensors)"),
-        Field("digest", "`crc32:` and 8 hex digits: mpipipe.core.recipe.checksum of the model's "
+        Field("digest", "`crc32:` and 8 hex digits: mpipipe.core.run.recipe.checksum of the model's "
                         "state_dict as built (parameters and buffers, in the model's own order), "
                         "before training or any checkpoint"),
     ),
@@ -274,13 +274,13 @@ def check_recipe(record: Mapping[str, Any]) -> None:
     for part, fields in record.items():
         if part not in RECIPE:
             raise SchemaError(f"unknown recipe part {part!r}: the schema has {', '.join(RECIPE)} "
-                              f"(add it to RECIPE in mpipipe/core/logschema.py and docs/hdf5-log.md)")
+                              f"(add it to RECIPE in mpipipe/core/logs/logschema.py and docs/hdf5-log.md)")
         known = {f.name for f in RECIPE[part]}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise SchemaError(f"unknown key(s) {', '.join(map(repr, unknown))} in recipe part "
                               f"{part!r}: the schema has {', '.join(sorted(known))} (add them to "
-                              f"RECIPE in mpipipe/core/logschema.py and docs/hdf5-log.md)")
+                              f"RECIPE in mpipipe/core/logs/logschema.py and docs/hdf5-log.md)")
 
 
 def _type_name(dtype: Any) -> str:
@@ -292,7 +292,7 @@ def markdown() -> str:
 
     Why generated: the file must say what the writer writes; tests/test_report.py checks
     that docs/hdf5-log.md holds this text exactly. After changing a column, paste the
-    output of ``python -m mpipipe.core.logschema`` over the tables there.
+    output of ``python -m mpipipe.core.logs.logschema`` over the tables there.
     """
     out = []
     for group, columns in GROUPS.items():

@@ -91,7 +91,7 @@ class Role:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise PlanError(f"unknown role kind {self.kind!r} (known: {', '.join(_KINDS) or 'none'}; "
-                            f"a system declares its kinds with mpipipe.core.roles.register_role_kind)")
+                            f"a system declares its kinds with mpipipe.core.mpi.roles.register_role_kind)")
 
     @property
     def spec(self) -> RoleKind:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from mpipipe.core.roles import LaunchPlan
+    from mpipipe.core.mpi.roles import LaunchPlan
 
 __all__ = ["Fault", "FaultError", "FaultKind", "FaultPlan", "FAULT_KINDS", "parse", "parse_all",
            "check_reachable", "check_nodes", "target_rank", "firing_rank", "kill_node", "set_link", "KINDS",
@@ -69,7 +69,7 @@ NODE_KINDS = tuple(k for k, v in FAULT_KINDS.items() if v.on_node)
 _INT_KEYS = {"stage", "rank", "step", "micro", "round", "build"}
 DEFAULT_STALL_S = 5.0
 DEFAULT_PARTITION_S = 10.0
-# A testbed node's name (mpipipe.core.testbed.NAME_RE), with or without the mpt- prefix.
+# A testbed node's name (mpipipe.tools.emulator.NAME_RE), with or without the mpt- prefix.
 _NODE_RE = re.compile(r"^(?:mpt-)?([a-z][a-z0-9]{0,10})$")
 _hosts: tuple[str, ...] | None = None  # every rank's host, recorded by check_nodes
 
@@ -345,14 +345,13 @@ def check_nodes(faults: Sequence[Fault], hosts: Sequence[str], plan: LaunchPlan 
     nodes = [f for f in faults if f.node is not None]
     if not nodes:
         return
-    from mpipipe.core.testbed import current
+    from mpipipe.core.mpi.testbed_nodes import node_hosts
 
-    tb = current()
-    names = {n.host for n in tb.nodes} if tb is not None else set()
+    names = node_hosts()
     if not names or not set(hosts) <= names:
         where = ", ".join(sorted(set(hosts)))
         raise _never(nodes[0], f"the ranks run on {where}, not on the nodes of a testbed that is up; "
-                               f"node faults need one (python -m mpipipe.testbed, docs/testbed.md)")
+                               f"node faults need one (python -m mpipipe testbed, docs/testbed.md)")
     for f in nodes:
         if firing_rank(f.node, _hosts) is None:  # type: ignore[arg-type]
             only = " but spare ones" if any(hosts[r] == "mpt-" + f.node for r in spare) else ""
@@ -398,9 +397,9 @@ def _check_node_order(faults: Sequence[Fault], plan: LaunchPlan | None) -> None:
 
 def _node_procs(node: str) -> Path:
     """The ``cgroup.procs`` file of testbed node ``node`` (named in the testbed's state)."""
-    from mpipipe.core.testbed import STATE
+    from mpipipe.core.mpi.testbed_nodes import node_procs
 
-    return Path((STATE / "nodes" / ("mpt-" + node)).read_text().split()[0])
+    return node_procs(node)
 
 
 # The launchers' processes a node-kill spares: Open MPI's daemon and mpirun (which runs on

@@ -128,7 +128,7 @@ def resume_command(directory: str | Path, argv: list[str] | None = None, *,
     without it). SIZE is the whole MPI world, spare ranks included, unless given:
     the command relaunches the whole job.
     """
-    from mpipipe.core import ft
+    from mpipipe.core.mpi import ft
 
     if size is None:
         from mpi4py import MPI

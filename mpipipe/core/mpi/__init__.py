@@ -1,0 +1,1 @@
+"""Ranks and messages: roles, transport, ULFM, spare ranks, the watchdog, the collective stop, faults."""

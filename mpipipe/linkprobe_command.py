@@ -1,0 +1,99 @@
+"""Throughput between ranks, measured with the project's own transport.
+
+Why: a testbed link is shaped to a configured rate, and the figures ResPipe and Stannis
+report in time are only as good as that rate. This measures what the training code
+itself gets (``Transport.send``/``recv`` on tensors, Open MPI's TCP), not what a raw
+socket gets, so ``measured / configured`` is the ``link_rate_ratio`` of the cluster bench.
+
+    mpirun ... -n 2 python -m mpipipe linkprobe [--mbytes 24] [--pairs 0:1,1:0]
+
+prints one JSON line per pair: source and destination ranks and hosts, bytes, seconds
+and Mbit/s (payload bytes, 10^6 bits per Mbit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["measure", "add_parser", "main"]
+
+
+def measure(comm: MPI.Comm, source: int, dest: int, total_bytes: int,
+            message_bytes: int = 4 << 20) -> tuple[int, float]:
+    """Bytes sent and seconds ``dest`` took to receive them from ``source`` (every rank calls
+    this; ``total_bytes`` is rounded down to whole messages, at least one).
+
+    The sender starts every message at once (as a pipeline stage does with its outgoing
+    activations); the clock runs on the receiver from a barrier to the last byte. One
+    message first, untimed, opens the TCP connection between the two.
+    """
+    import torch
+
+    from mpipipe.core.mpi.transport import ACT, Transport
+
+    transport = Transport(comm)
+    count = max(1, total_bytes // message_bytes)
+    buf = torch.zeros(message_bytes // 4, dtype=torch.float32)
+
+    def exchange(steps: range) -> None:
+        if comm.rank == source:
+            for step in steps:
+                transport.send(buf, dest, kind=ACT, step=step)
+            transport.flush()
+        elif comm.rank == dest:
+            for step in steps:
+                transport.recv(buf, source, kind=ACT, step=step)
+
+    exchange(range(1))
+    comm.Barrier()
+    t0 = time.perf_counter()
+    exchange(range(1, count + 1))
+    seconds = time.perf_counter() - t0
+    seconds = comm.bcast(seconds, root=dest)
+    comm.Barrier()
+    return count * (message_bytes // 4) * 4, seconds
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """The ``linkprobe`` command of ``python -m mpipipe`` (run it under mpirun, on two ranks or more)."""
+    doc = __doc__ or ""
+    parser = subparsers.add_parser("linkprobe", help="measure the throughput between ranks with the "
+                                                     "project's own transport (under mpirun)",
+                                   description=doc.splitlines()[0])
+    parser.add_argument("--mbytes", type=float, default=24.0, help="MB sent per pair (default 24)")
+    parser.add_argument("--pairs", default="0:1,1:0", help="SRC:DST rank pairs, comma-separated (default 0:1,1:0)")
+    parser.set_defaults(func=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    """Measure each pair in turn; rank 0 prints the JSON lines."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    try:
+        pairs = [tuple(int(r) for r in p.split(":")) for p in args.pairs.split(",")]
+        if any(len(p) != 2 or p[0] == p[1] or not all(0 <= r < comm.size for r in p) for p in pairs):
+            raise ValueError
+    except ValueError:
+        if comm.rank == 0:
+            print(f"python -m mpipipe linkprobe: error: --pairs {args.pairs!r} must be SRC:DST pairs of "
+                  f"two different ranks below {comm.size}, e.g. 0:1,1:0", file=sys.stderr)
+        return 2
+    hosts = comm.allgather(socket.gethostname())
+    total = int(args.mbytes * 1e6)
+    for source, dest in pairs:
+        sent, seconds = measure(comm, source, dest, total)
+        if comm.rank == 0:
+            print(json.dumps({"source": source, "dest": dest, "source_host": hosts[source],
+                              "dest_host": hosts[dest], "bytes": sent, "seconds": round(seconds, 4),
+                              "mbit_s": round(sent * 8 / seconds / 1e6, 2)}), flush=True)
+    return 0
