@@ -15,7 +15,7 @@ this one invocation on the same testbed; timings are repeated ``repeat`` times a
 median is reported. A step time is the mean time per step of a run after its first
 ``WARMUP`` steps (replica steps included), from the run log.
 
-- link_rate_ratio: Mbit/s of payload that mpipipe.linkprobe (the project's Transport)
+- link_rate_ratio: Mbit/s of payload that `python -m mpipipe linkprobe` (the project's Transport)
   gets through one 100 Mbit/s link (n0 -> n1), over the configured rate.
 - overhead_r10 / overhead_hot: ResPipe (cold R=10 / hot R=10, one backup per stage on
   nodes of their own) over the plain pipeline on the same nodes at 100 Mbit/s, step time
@@ -242,8 +242,8 @@ def spread(values: Sequence[float]) -> float:
 
 
 def link_rate(bench: Bench, tb: Testbed, mbytes: float) -> dict[str, Any]:
-    """Measured / configured throughput of n0 -> n1 with mpipipe.linkprobe."""
-    result = bench.mpi("linkprobe", 2, ["-m", "mpipipe.linkprobe", "--mbytes", str(mbytes), "--pairs", "0:1,1:0"],
+    """Measured / configured throughput of n0 -> n1 with `python -m mpipipe linkprobe`."""
+    result = bench.mpi("linkprobe", 2, ["-m", "mpipipe", "linkprobe", "--mbytes", str(mbytes), "--pairs", "0:1,1:0"],
                        tb, timeout=300, ulfm=False)
     rates = [json.loads(line)["mbit_s"] for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not rates:

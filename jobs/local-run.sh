@@ -63,9 +63,9 @@ fi
 PLACE=(--oversubscribe)
 WRAP=()
 if [[ -n $TESTBED ]]; then
-    TB_ARGS=$("$VENV/bin/python" -m mpipipe.testbed mpirun-args "$TESTBED") || exit 2
+    TB_ARGS=$("$VENV/bin/python" -m mpipipe testbed mpirun-args "$TESTBED") || exit 2
     mapfile -t PLACE <<<"$TB_ARGS"
-    WRAP=("$VENV/bin/python" -m mpipipe.testbed run "$TESTBED" --)
+    WRAP=("$VENV/bin/python" -m mpipipe testbed run "$TESTBED" --)
 fi
 
 echo "$SYSTEM: $RANKS ranks, config $CONFIG, log $RUN_DIR/$SYSTEM.h5${TESTBED:+, testbed $TESTBED}"

@@ -65,8 +65,8 @@ def measure(comm: MPI.Comm, source: int, dest: int, total_bytes: int,
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """The ``linkprobe`` command of ``python -m mpipipe`` (run it under mpirun, on two ranks or more)."""
     doc = __doc__ or ""
-    parser = subparsers.add_parser("linkprobe", help="measure the throughput between ranks with the "
-                                                     "project's own transport (under mpirun)",
+    parser = subparsers.add_parser("linkprobe", help="throughput between ranks, by the project's transport "
+                                                     "(under mpirun)",
                                    description=doc.splitlines()[0])
     parser.add_argument("--mbytes", type=float, default=24.0, help="MB sent per pair (default 24)")
     parser.add_argument("--pairs", default="0:1,1:0", help="SRC:DST rank pairs, comma-separated (default 0:1,1:0)")

@@ -80,7 +80,7 @@ def start_mpi(n: int, argv: Sequence[str], *, ulfm: bool = False,
             otherwise fail inside mpirun, or run on whatever testbed is up).
     """
     if testbed is not None and current() != testbed:
-        raise TestbedError("that testbed is not up; run 'python -m mpipipe.testbed up FILE' "
+        raise TestbedError("that testbed is not up; run 'python -m mpipipe testbed up FILE' "
                            "(or 'run FILE -- CMD') first")
     # A temporary directory of the job's own for Open MPI's session files (TMPDIR, which
     # the daemons on testbed nodes inherit too). A job that is killed leaves its session

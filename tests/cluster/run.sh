@@ -29,6 +29,6 @@ if ((${#missing[@]})); then
     fi
 fi
 
-trap '"$PY" -m mpipipe.testbed down >/dev/null 2>&1 || true' EXIT
+trap '"$PY" -m mpipipe testbed down >/dev/null 2>&1 || true' EXIT
 MPIPIPE_REQUIRE_CLUSTER=1 timeout "${CLUSTER_TEST_TIMEOUT:-1800}" \
     "$PY" -m pytest -q -p no:cacheprovider tests/cluster

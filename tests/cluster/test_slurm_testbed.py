@@ -121,7 +121,7 @@ def test_stannis_sbatch_puts_the_host_and_each_csd_on_its_own_node(
 
 @pytest.mark.timeout(60)
 def test_slurm_mpirun_args_only_inside_a_node(bed: emulator.Testbed) -> None:
-    cli = [sys.executable, "-m", "mpipipe.testbed", "mpirun-args", "--slurm"]
+    cli = [sys.executable, "-m", "mpipipe", "testbed", "mpirun-args", "--slurm"]
     inside = subprocess.run(emulator.node_command(bed, "b", cli), capture_output=True, text=True, cwd=ROOT,
                             env=mpirun_env(), timeout=30)
     assert inside.returncode == 0, inside.stderr

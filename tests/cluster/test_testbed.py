@@ -52,7 +52,7 @@ def test_three_nodes_come_up(bed: emulator.Testbed) -> None:
     # a node reaches the others over the bridge, and nothing else (no default route)
     routes = _in_node(bed, "a", "ip", "-4", "route")
     assert "default" not in routes and "10.213.0.0/24" in routes
-    status = subprocess.run([sys.executable, "-m", "mpipipe.testbed", "status"], capture_output=True, text=True)
+    status = subprocess.run([sys.executable, "-m", "mpipipe", "testbed", "status"], capture_output=True, text=True)
     assert "mpt-c" in status.stdout and "100 Mbit" in status.stdout
 
 
@@ -68,7 +68,7 @@ def test_mpirun_puts_ranks_on_three_hostnames(bed: emulator.Testbed) -> None:
 @pytest.mark.timeout(180)
 def test_shaped_link_rate_by_transport(bed: emulator.Testbed) -> None:
     # ranks on a (1000 Mbit/s) and c (100 Mbit/s): c's link sets the rate both ways
-    result = run_mpi(3, ["-m", "mpipipe.linkprobe", "--mbytes", "20", "--pairs", "0:2,2:0"],
+    result = run_mpi(3, ["-m", "mpipipe", "linkprobe", "--mbytes", "20", "--pairs", "0:2,2:0"],
                      timeout=150, testbed=bed)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

@@ -14,7 +14,7 @@ from mpipipe.tools.launch import ROOT, mpirun_env, run_mpi
 
 
 def _cli(*args: str, user: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mpipipe.testbed", *args]
+    cmd = [sys.executable, "-m", "mpipipe", "testbed", *args]
     if user is not None:
         cmd = ["setpriv", "--reuid", user, "--regid", user, "--clear-groups", *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=mpirun_env(), timeout=timeout)
@@ -23,7 +23,7 @@ def _cli(*args: str, user: str | None = None, timeout: float = 60) -> subprocess
 def _one_error_line(done: subprocess.CompletedProcess, *words: str) -> None:
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("python -m mpipipe.testbed: error: "), done.stderr
+    assert len(lines) == 1 and lines[0].startswith("python -m mpipipe testbed: error: "), done.stderr
     for word in words:
         assert word in lines[0], lines[0]
 

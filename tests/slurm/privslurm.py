@@ -135,7 +135,7 @@ def start(state: Path, *, on_testbed: bool = False, first_id: int = 1, timeout: 
     if on_testbed:
         tb = _emulator.current()
         if tb is None:
-            raise SlurmError("no testbed is up: run 'python -m mpipipe.testbed up FILE' first")
+            raise SlurmError("no testbed is up: run 'python -m mpipipe testbed up FILE' first")
         nodes = [(n.host, str(tb.address(n)), n.slots) for n in tb.nodes]
         ctld_addr = str(tb.bridge_address)
     else:
