@@ -1,15 +1,15 @@
 """Drawing run logs: the helpers every report plot uses, and the registry of each system's own plots.
 
-Why in the core: ``mpipipe report`` (a command, on top) draws what every run has (loss,
+Why in the tools: ``mpipipe report`` (a command, on top) draws what every run has (loss,
 accuracy, samples/s, per-rank time), and a system draws what only its runs have
 (Stannis: batch size and samples per joule per rank, in ``stannis/plots.py``). A system
-may import the core only, so the helpers both need, and the registry through which the
-report finds a system's plots, live here.
+may import the core and the tools only, so the helpers both need, and the registry through
+which the report finds a system's plots, live here; no rank draws, so not in the core.
 
 A system ``X`` whose logs say ``system = "X"`` provides its plots in a module ``X.plots``
 that calls :func:`register_plots` when imported; the report (a command, which may import
 any system) imports that module by name when it meets such a log
-(``mpipipe.report.plots_for``) and reads the registry. The core imports no system.
+(``mpipipe.report.plots_for``) and reads the registry. The tools import no system.
 matplotlib is imported inside the functions that draw, so that reading logs never needs it.
 """
 
