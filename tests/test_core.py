@@ -511,7 +511,8 @@ def test_the_writer_refuses_an_unknown_event_kind_or_column_on_every_rank(tmp_pa
     with RunLog(path, system="mpipipe", config={}, comm_size=2) as log:
         for writer in (log, RunLog.null()):
             with pytest.raises(SchemaError, match=r"^unknown event kind 'take_over': a run log records only "
-                                                  r"cost_model, .*takeover, .*EventKind in mpipipe/core/logs/logschema"):
+                                                  r"cost_model, .*takeover, .*EventKind in "
+                                                  r"mpipipe/core/logs/logschema"):
                 writer.event("take_over", step=1, rank=1)
             with pytest.raises(SchemaError, match=r"^unknown column 'bytes_snt' for /ranks \(rank 1, step 1\): "
                                                   r"the schema has step, compute_s, wait_s, bytes_sent"):
