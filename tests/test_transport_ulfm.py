@@ -6,13 +6,14 @@ import pytest
 
 from mpipipe.tools.launch import run_mpi
 
+# make test-long (.ci/run runs it): the transport under ULFM with a killed peer and a timed-out job.
+pytestmark = pytest.mark.long
+
 SCRIPT = """
 import os, signal, torch
 from mpi4py import MPI
 from mpipipe.core.mpi.transport import ACT, PeerFailed, Transport
 
-# make test-long (.ci/run runs it): the transport under ULFM with a killed peer and a timed-out job.
-pytestmark = pytest.mark.long
 comm = MPI.COMM_WORLD
 t = Transport(comm)
 comm.Barrier()
