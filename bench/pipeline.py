@@ -67,7 +67,7 @@ def _model_and_batch(args: argparse.Namespace):
         cfg["model"].update(factory=str(ROOT / RESNET18), kwargs={"width": args.resnet_width})
     else:
         cfg["model"].update(name=args.model)
-    model = recipe.build_model(cfg, in_shape)
+    model = recipe.Recipe(cfg).build_model(in_shape)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, *in_shape, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)

@@ -113,7 +113,7 @@ energy = "model"
 def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
-    from mpipipe.core.run.cli import start_run
+    from mpipipe.core.run.cli import Request, start_run
     from stannis.config import STANNIS_CHOICES, STANNIS_DEFAULTS, emulation, stannis_plan
     from stannis.csd import Stretch
     from stannis.energy import PowerModel
@@ -122,8 +122,7 @@ def worker(args: argparse.Namespace) -> None:
     # The bench owns its log (a re-run with the same --keep replaces it).
     size = SIZES[args.size]
     settle = Stretch.MEMORY  # a full stretch memory at the new plan before measuring
-    ns = argparse.Namespace(config=args.config, set=args.set, log=args.log, quiet=True, resume=None,
-                            inject=[], overwrite=True)
+    ns = Request(config=args.config, settings=args.set, log=args.log, quiet=True, overwrite=True)
     run = start_run(ns, prog="bench/stannis.py", system="stannis", defaults=STANNIS_DEFAULTS,
                     choices=STANNIS_CHOICES, build_plan=stannis_plan,
                     inject_key=("stannis", "inject"), emulation=emulation)

@@ -39,7 +39,7 @@ def main() -> None:
               "stannis": {"csds": MPI.COMM_WORLD.Get_size() - 1, "global_batch": 128}}
     result = stannis.train(
         config, model=own_cnn,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=0.003, weight_decay=0.01),
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.003, weight_decay=0.01),
         scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=args.steps),
         loss=nn.CrossEntropyLoss(label_smoothing=0.05), log=args.log, overwrite=True)
     if result.is_writer:

@@ -78,7 +78,7 @@ def main() -> None:
     result = mpipipe.train(
         config,
         model=lambda: ResNet18(width=args.width),  # built on every rank after run.seed seeds torch
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=5e-4),
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4),
         scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=args.steps),
         log=args.log, overwrite=True)
     if result.is_writer:

@@ -45,8 +45,13 @@ def _print_defaults(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run the chosen subcommand; its return value is the exit status."""
+    from mpipipe.core.mpi.roles import TrainingFailed, report_failure
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except TrainingFailed as e:  # one line on rank 0, status 2 on every rank
+        return report_failure(e)
 
 
 if __name__ == "__main__":

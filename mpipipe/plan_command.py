@@ -4,7 +4,7 @@ Why: a pipeline run only says how it cut the model once MPI is up and every rank
 built it; a factory that fx cannot trace, a balance that does not add up or a stage
 that is far heavier than the others should be seen before asking a cluster for ranks.
 This command builds the model exactly as a training run does (same configuration
-loader, seed and :func:`mpipipe.core.run.recipe.build_model`), cuts it with the run's
+loader, seed and :meth:`mpipipe.core.run.recipe.Recipe.build_model`), cuts it with the run's
 partitioner, and prints every layer of the chain and, per stage, its layers, parameter
 count, buffer bytes, the activation bytes it sends on and the exact bytes of its replica
 (:func:`mpipipe.core.state.statecodec.layout_of`, the size of the message a backup receives).
@@ -169,13 +169,13 @@ def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Model
         raise ValueError(f"pipeline.stages = {k}: a pipeline has at least one stage")
     v = chunks_per_stage(cfg)
     torch.manual_seed(cfg["run"]["seed"])  # as training does: the same weights on every rank
-    model = recipe.build_model(cfg, in_shape)
+    made = recipe.Recipe(cfg)
+    model = made.build_model(in_shape)
     cut = _choose_balance(cfg, model, in_shape, k, v)
     balance = cut.balance
     chunks = split(model, balance)
 
-    def make_optimizer(params: list[Any]) -> Any:
-        return recipe.make_optimizer(cfg, params)
+    make_optimizer = made.make_optimizer
 
     try:
         shapes, in_bytes = stage_shapes(chunks, in_shape, make_optimizer, stages=k)
@@ -185,15 +185,14 @@ def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Model
     starts = [sum(balance[:c]) for c in range(len(balance))]
     stages = []
     for s, module in enumerate(stage_modules(chunks, k)):  # the modules a run replicates
-        params = list(module.parameters())
-        lay = layout_of(module, make_optimizer(params) if params else None)
+        lay = layout_of(module, make_optimizer(module))
         buffers = sum(t.numel() * t.element_size() for t in module.state_dict(keep_vars=True).values()
                       if not isinstance(t, torch.nn.Parameter))
         mine = range(s, len(balance), k)
         stages.append(StagePlan(
             stage=s,
             layers=[(starts[c], starts[c] + balance[c]) for c in mine],
-            params=sum(p.numel() for p in params),
+            params=sum(p.numel() for p in module.parameters()),
             param_bytes=lay.param_bytes,
             buffer_bytes=buffers,
             optimizer_state_bytes=lay.nbytes - lay.param_bytes - buffers,

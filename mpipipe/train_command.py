@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mpipipe.core.run.cli import add_train_arguments, planned_steps, start_run
+from mpipipe.core.run.cli import Request, Run, add_train_arguments, planned_steps, start_run
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from mpipipe.pipeline.plan import pipeline_plan
 from mpipipe.pipeline.schedule import SCHEDULES
 from mpipipe.respipe.placement import check_hosts
 
-__all__ = ["add_parser", "main"]
+__all__ = ["add_parser", "main", "run_training"]
 
 PROG = "mpipipe train"
 
@@ -57,23 +57,40 @@ def _ulfm() -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Body of `python -m mpipipe train`: set up the run, then train (plain or ResPipe)."""
+    """Body of `python -m mpipipe train`: the command line's request, run; its exit status."""
+    run = run_training(Request.from_args(args))
+    return run.status if run is not None else 0
+
+
+def run_training(request: Request) -> Run | None:
+    """Set up the run a request asks for on this rank, then train (plain or ResPipe); the
+    library both ways in call (the command line and :func:`mpipipe.train`).
+
+    Returns the :class:`~mpipipe.core.run.cli.Run` (its ``status``, and on the log's writer
+    its ``result`` and ``final_state``), or None on a spare rank, which idled until the job
+    ended.
+
+    Raises:
+        mpipipe.core.mpi.roles.TrainingFailed: a bad configuration, plan, fault or log path
+            (the same line, on every rank).
+    """
     from mpipipe.core.mpi.spare import set_aside
 
-    run = start_run(args, prog=PROG, system="mpipipe", defaults=PIPELINE_DEFAULTS,
+    run = start_run(request, prog=PROG, system="mpipipe", defaults=PIPELINE_DEFAULTS,
                     choices=PIPELINE_CHOICES, build_plan=pipeline_plan,
                     total_steps=planned_steps, check_hosts=check_hosts)
-    args.started = run  # the Python API reads the result from it
     with set_aside(run) as run:
         if run is None:
-            return 0  # a spare rank: it idled until the job ended
+            return None  # a spare rank: it idled until the job ended
         if run.plan.ranks_of("backup") or run.cfg["resilience"]["inject"] or _ulfm():
             # ResPipe: backup ranks exist, faults are injected, or ULFM can report a dead
             # stage: the resilient loop drives the job (without backups it stops cleanly,
             # naming the lost stage).
             from mpipipe.respipe.command import train as respipe_train
 
-            return int(respipe_train(run))
-        from mpipipe.pipeline.train import train
+            run.status = int(respipe_train(run))
+        else:
+            from mpipipe.pipeline.train import train
 
-        return train(run)
+            run.status = int(train(run))
+        return run

@@ -103,9 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     from . import mpicount
 
     mpicount.enable()  # MPI's own byte counters for the privacy audit (before MPI_Init)
+    from mpipipe.core.mpi.roles import TrainingFailed, report_failure
+
     from .trainer import main as train_main
 
-    return train_main(args)
+    try:
+        return train_main(args)
+    except TrainingFailed as e:  # one line on rank 0, status 2 on every rank
+        return report_failure(e)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from mpipipe.core.mpi import ft, stop, watchdog
 from mpipipe.core.mpi.faults import FaultPlan, parse_all
 from mpipipe.core.run import recipe
 from mpipipe.core.run.batches import DataFault, label_range_ok, test_batches, transforms
-from mpipipe.core.run.cli import Run, start_run
+from mpipipe.core.run.cli import Request, Run, start_run
 from mpipipe.core.run.lr import decay
 
 from .allreduce import BufferAverage, WeightedAllreduce, broadcast_state
@@ -141,17 +141,17 @@ class Trainer:
 
         in_shape = self._in_shape()
         try:  # every rank seeded alike above: the same weights (checked in _sync_from_host)
-            self.model = recipe.build_model(cfg, in_shape)
+            self.model = run.recipe.build_model(in_shape)
             self.model.float()
-            self.optimizer = recipe.make_optimizer(cfg, self.model.parameters())
-            self.loss_fn = recipe.make_loss(cfg)
-            self.schedule = recipe.Schedule(cfg, int(cfg["run"]["steps"]))
+            self.optimizer = run.recipe.make_optimizer(self.model)
+            self.loss_fn = run.recipe.make_loss()
+            self.schedule = run.recipe.schedule(int(cfg["run"]["steps"]))
         except recipe.RecipeError as e:
             run.fail(e)
         if run.log.active:  # what runs, read from the objects (docs/hdf5-log.md), as built
             o = cfg["optim"]
-            self.log.set_attr("recipe", recipe.describe(  # through the writer thread
-                cfg, self.model, self.schedule, self.loss_fn, optimizer=self.optimizer,
+            self.log.set_attr("recipe", run.recipe.describe(  # through the writer thread
+                self.model, self.schedule, self.loss_fn, optimizer=self.optimizer,
                 rate={"base_batch": o["base_batch"], "warmup_steps": o["warmup_steps"]}))
         averaged = None if cfg["stannis"]["local_buffers"] else BufferAverage(self.comm, self.model)
         self.buffers = averaged if averaged is not None and averaged.nbytes else None
@@ -760,10 +760,27 @@ class Trainer:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``stannis train`` on this rank; returns the exit status."""
-    run = start_run(args, prog=PROG, system="stannis", defaults=STANNIS_DEFAULTS,
+    return run_training(Request.from_args(args)).status
+
+
+def run_training(request: Request) -> Run:
+    """Set up the run a request asks for on this rank and train; the library both ways in
+    call (the command line and :func:`stannis.train`). Returns the Run: its ``status``, and
+    on the host its ``result`` and ``final_state``.
+
+    Raises:
+        mpipipe.core.mpi.roles.TrainingFailed: a bad configuration, plan, fault or log path
+            (the same line, on every rank).
+    """
+    run = start_run(request, prog=PROG, system="stannis", defaults=STANNIS_DEFAULTS,
                     choices=STANNIS_CHOICES, build_plan=stannis_plan,
                     inject_key=("stannis", "inject"), emulation=emulation)
-    args.started = run  # the Python API reads the result from it
+    run.status = _train(run)
+    return run
+
+
+def _train(run: Run) -> int:
+    """Train on this rank; the exit status (a lost host or an MPI failure leaves at once)."""
     run.comm.Set_errhandler(MPI.ERRORS_RETURN)
     trainer = None
     try:
@@ -816,7 +833,7 @@ def main(args: argparse.Namespace) -> int:
         # A CSD was dropped: under ULFM, MPI_Finalize runs an agreement over the whole
         # world, which was seen to wait for the dead rank now and then (as in ResPipe).
         # Everything is written and closed by now: leave without it.
-        if getattr(args, "api", False):  # a script goes on: leave when it ends
+        if run.request.api:  # a script goes on: leave when it ends
             stop.exit_at_end(0)
             return 0
         stop.flush_and_exit(0)

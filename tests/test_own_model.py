@@ -61,15 +61,16 @@ def _reference(digits: Path, balance: tuple[int, ...], step_lr: bool = False,
 
     cfg = _cfg(step_lr)
     torch.manual_seed(SEED)
-    model = recipe.build_model(cfg, (1, 8, 8))
+    made = recipe.Recipe(cfg)
+    model = made.build_model((1, 8, 8))
     if deferred:
         from mpipipe.pipeline.deferred_bn import defer_batch_norm
 
         defer_batch_norm(model)
     chunks = split(model, list(balance))
-    opt = recipe.make_optimizer(cfg, model.parameters())
-    schedule = recipe.Schedule(cfg, STEPS)
-    loss_fn = recipe.make_loss(cfg)
+    opt = made.make_optimizer(model)
+    schedule = made.schedule(STEPS)
+    loss_fn = made.make_loss()
     data = TrainBatches(digits, BATCH, seed=SEED, shuffle=True, drop_last=True, num_classes=10)
     losses = []
     for s in range(STEPS):
@@ -224,7 +225,7 @@ from tests.models.own import own_net
 
 system, data, out = sys.argv[1], sys.argv[2], sys.argv[3]
 common = dict(model=own_net,  # a builder: called after run.seed seeds torch, on every rank
-              optimizer=lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.01),
+              optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01),
               scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps={steps}),
               loss=nn.CrossEntropyLoss(label_smoothing=0.1), log=out + ".h5", quiet=True)
 if system == "mpipipe":
@@ -267,12 +268,72 @@ def test_the_python_api_trains_your_objects_as_the_configuration_would(digits, t
     losses, state = _reference(digits, balance)
     assert max(abs(float(a) - b) for a, b in zip(run.steps["loss"], losses, strict=True)) <= 1e-5
     torch.manual_seed(SEED)
-    recipe.build_model(_cfg(), (1, 8, 8))
-    theirs = recipe.source_names()  # chain name -> the user's model's name
+    made = recipe.Recipe(_cfg())
+    made.build_model((1, 8, 8))
+    theirs = made.names  # chain name -> the user's model's name
     got = torch.load(str(out) + ".pt", weights_only=True)
     assert set(got) == {theirs[k] for k in state}
     for k, want in state.items():
         assert torch.allclose(got[theirs[k]].double(), want.double(), atol=1e-5, rtol=0), k
+
+
+_TWO_RUNS = """
+import sys, torch
+from torch import nn
+import mpipipe
+sys.path.insert(0, {root!r})
+from tests.models.own import own_net
+
+data, out = sys.argv[1], sys.argv[2]
+config = {{"run": {{"steps": 2, "eval_every": 0}}, "data": {{"path": data, "batch_size": 16}},
+          "pipeline": {{"stages": 2, "chunks": 2}}}}
+try:  # a misspelt key: one exception on every rank, which the script catches
+    mpipipe.train(config, settings=["pipeline.chunkz=4"], log=out + "-bad.h5", quiet=True)
+except mpipipe.TrainingFailed as e:
+    print("CAUGHT", e.status, e.line, flush=True)
+try:  # an optimizer written for a parameter list: the line says how to write it
+    mpipipe.train(config, model=own_net, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                  log=out + "-list.h5", quiet=True)
+except mpipipe.TrainingFailed as e:
+    print("CAUGHT", e.status, e.line, flush=True)
+# two runs, different models and objects: nothing of the first is in the second
+mine = mpipipe.train(config, model=own_net, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                     log=out + "-mine.h5", quiet=True)
+shipped = mpipipe.train(config, log=out + "-lenet.h5", quiet=True)
+if mine.is_writer:
+    own_net().load_state_dict(mine.state_dict)
+    print("MINE", sorted(mine.state_dict)[0], flush=True)
+if shipped.is_writer:
+    print("SHIPPED", len(shipped.state_dict), flush=True)
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_script_catches_a_bad_run_and_two_runs_share_nothing(digits, tmp_path):
+    # Issue 34: a misspelt key ended the script with SystemExit(2); now every rank gets
+    # TrainingFailed carrying the command's line, and the script goes on. Two train()
+    # calls with different models share nothing (no module state between them), and
+    # each gives back its own model, gathered over MPI (no checkpoint directory).
+    script = tmp_path / "two_runs.py"
+    script.write_text(_TWO_RUNS.format(root=str(ROOT)))
+    out = tmp_path / "run"
+    result = run_mpi(2, [str(script), str(digits), str(out)], timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    caught = [ln for ln in lines if ln.startswith("CAUGHT ")]
+    assert len(caught) == 4, result.stdout  # two failures, on each of the 2 ranks
+    assert all(ln.startswith("CAUGHT 2 mpipipe train: error: ") for ln in caught)
+    assert sum("pipeline.chunkz" in ln for ln in caught) == 2
+    assert sum("m.parameters()" in ln for ln in caught) == 2
+    assert lines.count("DONE") == 2
+    assert any(ln.startswith("MINE ") for ln in lines)  # the user's model's names
+    (shipped,) = [ln for ln in lines if ln.startswith("SHIPPED ")]
+    from mpipipe.core.run.models import build_model
+
+    assert int(shipped.split()[1]) == len(build_model("lenet", 10, (1, 8, 8)).state_dict())
+    assert not Path(str(out) + "-bad.h5").exists()  # no log for a run that never started
+    assert not list(tmp_path.glob("*-ckpt"))  # no checkpoint directory was forced
 
 
 @pytest.mark.timeout(600)
@@ -302,9 +363,10 @@ def test_replicas_of_your_model_are_the_bytes_the_cost_model_counts(runs):
     balance = [int(b) for b in str(run.attrs["balance"]).strip("[]").split(",")]
     cfg = _cfg()
     torch.manual_seed(SEED)
-    model = recipe.build_model(cfg, (1, 8, 8))
+    made = recipe.Recipe(cfg)
+    model = made.build_model((1, 8, 8))
     shapes, in_bytes = costmodel.stage_shapes(split(model, balance), (1, 8, 8),
-                                              lambda p: recipe.make_optimizer(cfg, p), stages=3)
+                                              made.make_optimizer, stages=3)
     assert all(s.state > 2 * s.params for s in shapes if s.params)  # moments + buffers
     cost = costmodel.predict(shapes, batch_size=BATCH, backups=dict.fromkeys(range(3), 1),
                              replicate_every=1, mode="cold", label_bytes=8, input_bytes=in_bytes)

@@ -42,15 +42,15 @@ def _expected(*sets: str) -> tuple[torch.nn.Sequential, list[int], list[torch.nn
     """The model, balance, stage modules and replica bytes, built here as a run would."""
     cfg = load_config(CONFIG, [OWN, *sets], PIPELINE_DEFAULTS, PIPELINE_CHOICES)
     torch.manual_seed(cfg["run"]["seed"])
-    model = recipe.build_model(cfg, (1, 8, 8))
+    made = recipe.Recipe(cfg)
+    model = made.build_model((1, 8, 8))
     p = cfg["pipeline"]
     v = 2 if p["schedule"] == "interleaved-1f1b" else 1
     balance = list(p["balance"]) or balance_by_params(model, p["stages"], v, p["chunks"])
     stages = stage_modules(split(model, balance), p["stages"])
     nbytes = []
     for module in stages:
-        params = list(module.parameters())
-        nbytes.append(layout_of(module, recipe.make_optimizer(cfg, params)).nbytes)
+        nbytes.append(layout_of(module, made.make_optimizer(module)).nbytes)
     return model, balance, stages, nbytes
 
 

@@ -13,6 +13,14 @@ from mpipipe.core.run.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS, RecipeError
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 
 
+def _holding(*params: nn.Parameter) -> nn.Module:
+    """A module holding ``params`` (a stage, as make_optimizer is given one)."""
+    module = nn.Module()
+    for i, p in enumerate(params):
+        module.register_parameter(f"p{i}", p)
+    return module
+
+
 def _cfg(**sections) -> dict:
     cfg = {"model": dict(MODEL_DEFAULTS), "optim": dict(OPTIM_DEFAULTS)}
     for name, values in sections.items():
@@ -30,9 +38,9 @@ def test_the_precomputed_schedule_is_the_torch_schedulers_own(name, kwargs, move
     # leaves in the optimizer: for every step, whichever order they are asked in.
     steps = 12
     cfg = _cfg(optim={"name": "AdamW", "scheduler": name, "scheduler_kwargs": kwargs})
-    schedule = recipe.Schedule(cfg, steps)
+    schedule = recipe.Recipe(cfg).schedule(steps)
     p = nn.Parameter(torch.zeros(3))
-    real_opt = recipe.make_optimizer(cfg, [p])
+    real_opt = recipe.Recipe(cfg).make_optimizer(_holding(p))
     real = getattr(torch.optim.lr_scheduler, name)(real_opt, **({**kwargs, "total_steps": steps}
                                                                  if name == "OneCycleLR" else kwargs))
     want = []
@@ -41,22 +49,22 @@ def test_the_precomputed_schedule_is_the_torch_schedulers_own(name, kwargs, move
         p.grad = torch.zeros(3)
         real_opt.step()
         real.step()
-    ours = recipe.make_optimizer(cfg, [nn.Parameter(torch.zeros(3))])
+    ours = recipe.Recipe(cfg).make_optimizer(_holding(nn.Parameter(torch.zeros(3))))
     for s in reversed(range(steps)):  # a replay asks for an earlier step again
         schedule.apply(ours, s)
         assert {k: ours.param_groups[0][k] for k in moved} == want[s], s
 
 
 def test_any_torch_optimizer_by_name_with_its_keywords():
-    params = [nn.Parameter(torch.zeros(2))]
-    opt = recipe.make_optimizer(_cfg(optim={"name": "RMSprop", "lr": 0.01,
-                                            "kwargs": {"alpha": 0.9, "centered": True}}), params)
+    params = _holding(nn.Parameter(torch.zeros(2)))
+    opt = recipe.Recipe(_cfg(optim={"name": "RMSprop", "lr": 0.01,
+                                    "kwargs": {"alpha": 0.9, "centered": True}})).make_optimizer(params)
     assert isinstance(opt, torch.optim.RMSprop) and opt.defaults["alpha"] == 0.9
     assert opt.defaults["lr"] == 0.01
-    sgd = recipe.make_optimizer(_cfg(), params)  # the shortcut: lr, momentum, weight decay
+    sgd = recipe.Recipe(_cfg()).make_optimizer(params)  # the shortcut: lr, momentum, weight decay
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
-    assert recipe.make_optimizer(_cfg(), []) is None  # a stage without parameters
-    custom = recipe.make_optimizer(_cfg(optim={"name": "torch.optim:Adamax"}), params)
+    assert recipe.Recipe(_cfg()).make_optimizer(nn.ReLU()) is None  # a stage without parameters
+    custom = recipe.Recipe(_cfg(optim={"name": "torch.optim:Adamax"})).make_optimizer(params)
     assert isinstance(custom, torch.optim.Adamax)
 
 
@@ -82,10 +90,11 @@ def test_any_torch_optimizer_by_name_with_its_keywords():
 def test_a_bad_recipe_is_one_line_naming_the_key(sections, message):
     cfg = _cfg(**sections)
     with pytest.raises(RecipeError, match=message) as e:
-        recipe.build_model(cfg, (1, 8, 8))
-        recipe.make_optimizer(cfg, [nn.Parameter(torch.zeros(1))])
-        recipe.Schedule(cfg, 10)
-        recipe.make_loss(cfg)
+        made = recipe.Recipe(cfg)
+        made.build_model((1, 8, 8))
+        made.make_optimizer(_holding(nn.Parameter(torch.zeros(1))))
+        made.schedule(10)
+        made.make_loss()
     assert "\n" not in str(e.value)
 
 
@@ -98,7 +107,7 @@ def test_a_factory_file_resolves_beside_the_config_file_first(tmp_path, monkeypa
     monkeypatch.chdir("/")  # not the current directory: the config file's folder
     cfg = load_config(config, [], PIPELINE_DEFAULTS, PIPELINE_CHOICES)
     assert cfg["model"]["factory"] == f"{tmp_path / 'nets.py'}:net"
-    chain = recipe.build_model(cfg, (1, 8, 8))
+    chain = recipe.Recipe(cfg).build_model((1, 8, 8))
     assert [type(m).__name__ for m in chain] == ["Flatten", "Linear", "ReLU", "Linear"]
     assert chain[1].out_features == 6
     with pytest.raises(ConfigError, match="must be a table"):
@@ -109,9 +118,9 @@ def test_the_same_seed_builds_the_same_weights_and_the_checksum_sees_a_change():
     cfg = _cfg(model={"factory": "torch.nn:Sequential"})
     cfg["model"]["factory"] = ""
     torch.manual_seed(3)
-    a = recipe.build_model(cfg, (1, 8, 8))
+    a = recipe.Recipe(cfg).build_model((1, 8, 8))
     torch.manual_seed(3)
-    b = recipe.build_model(cfg, (1, 8, 8))
+    b = recipe.Recipe(cfg).build_model((1, 8, 8))
     assert recipe.checksum(a) == recipe.checksum(b)
     with torch.no_grad():
         next(b.parameters()).view(-1)[0] += 1
@@ -121,11 +130,76 @@ def test_the_same_seed_builds_the_same_weights_and_the_checksum_sees_a_change():
 def test_a_scripts_scheduler_sets_the_rate_as_the_configurations_would():
     # Stannis keeps its own scaled rate unless a scheduler, from the config or from a
     # script (mpipipe.train / stannis.train), sets it: both must say so.
-    assert not recipe.Schedule(_cfg(), 10).scheduled
-    assert recipe.Schedule(_cfg(optim={"scheduler": "StepLR", "scheduler_kwargs": {"step_size": 2}}), 10).scheduled
-    recipe.give(scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
-    try:
-        schedule = recipe.Schedule(_cfg(), 10)
-    finally:
-        recipe.give()
+    assert not recipe.Recipe(_cfg()).schedule(10).scheduled
+    step = {"scheduler": "StepLR", "scheduler_kwargs": {"step_size": 2}}
+    assert recipe.Recipe(_cfg(optim=step)).schedule(10).scheduled
+    step_lr = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # noqa: E731
+    schedule = recipe.Recipe(_cfg(), scheduler=step_lr).schedule(10)
     assert schedule.scheduled and schedule.values(2)[0]["lr"] == pytest.approx(0.025)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return x + self.bn(self.conv(x)).mean(1, keepdim=True)  # a residual: traced whole
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 1, 3, padding=1)
+        self.block = _Block()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x)))
+
+
+def test_a_given_optimizer_gets_each_stage_in_your_names_for_param_groups_by_name():
+    # The common recipe: no weight decay on norms and biases, by name and by class.
+    def no_decay_on_norms_and_biases(m: nn.Module) -> torch.optim.Optimizer:
+        norms = {id(p) for mod in m.modules() if isinstance(mod, nn.BatchNorm2d) for p in mod.parameters()}
+        decay = [p for n, p in m.named_parameters() if not n.endswith("bias") and id(p) not in norms]
+        rest = [p for n, p in m.named_parameters() if n.endswith("bias") or id(p) in norms]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+
+    seen: list[list[str]] = []
+
+    def spy(m: nn.Module) -> torch.optim.Optimizer:
+        seen.append([n for n, _ in m.named_parameters()])
+        return no_decay_on_norms_and_biases(m)
+
+    made = recipe.Recipe(_cfg(), model=_Net(), optimizer=spy)
+    chain = made.build_model((1, 8, 8))
+    from mpipipe.pipeline.partition import split
+
+    stages = split(chain, [1, 1, len(chain) - 2])
+    opts = [made.make_optimizer(stage) for stage in stages]
+    theirs = [n for n, _ in _Net().named_parameters()]
+    assert sorted(n for names in seen for n in names) == sorted(theirs)  # every one, in the user's names
+    assert "block.bn.weight" in seen[1] and "head.1.weight" in [n for names in seen for n in names]
+    block = opts[1]
+    assert [len(g["params"]) for g in block.param_groups] == [1, 3]  # conv.weight | conv.bias, bn.weight, bn.bias
+    # the view holds the stage's own tensors: the optimizer trains the stage
+    assert {id(p) for g in block.param_groups for p in g["params"]} == {id(p) for p in stages[1].parameters()}
+
+
+def test_an_optimizer_written_for_a_parameter_list_is_told_the_fix_in_one_line():
+    made = recipe.Recipe(_cfg(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(RecipeError, match=r"called with the stage's module .*m\.parameters\(\)") as e:
+        made.make_optimizer(_holding(nn.Parameter(torch.zeros(2))))
+    assert "\n" not in str(e.value)
+
+
+def test_two_recipes_share_nothing():
+    a = recipe.Recipe(_cfg(), model=_Net())
+    b = recipe.Recipe(_cfg())  # the shipped LeNet
+    chain_a = a.build_model((1, 8, 8))
+    b.build_model((1, 8, 8))
+    assert a.names and not b.names and a.model_name() == "your model" and b.model_name() == "lenet"
+    assert set(a.names) == set(chain_a.state_dict())

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,29 +40,26 @@ def _cfg(**sections: dict) -> dict:
 
 
 @pytest.fixture
-def given() -> Iterator[None]:
+def given() -> dict:
     """A script's objects, as mpipipe.train gives them: the user's builder, AdamW,
     OneCycleLR and a loss module."""
-    recipe.give(model=own_net, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01),
-                scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=12),
-                loss=nn.CrossEntropyLoss(label_smoothing=0.1))
-    try:
-        yield
-    finally:
-        recipe.give()
+    return {"model": own_net, "optimizer": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01),
+            "scheduler": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=12),
+            "loss": nn.CrossEntropyLoss(label_smoothing=0.1)}
 
 
-def _describe(cfg: dict, seed: int = 0) -> dict:
+def _describe(cfg: dict, seed: int = 0, **given) -> dict:
     torch.manual_seed(seed)
-    chain = recipe.build_model(cfg, SHAPE)
-    return recipe.describe(cfg, chain, recipe.Schedule(cfg, 12), recipe.make_loss(cfg))
+    made = recipe.Recipe(cfg, **given)
+    chain = made.build_model(SHAPE)
+    return made.describe(chain, made.schedule(12), made.make_loss())
 
 
 # ---------------------------------------------------------------- without MPI
 
 def test_a_scripts_objects_are_recorded_and_the_keys_they_replaced_are_not(given):
     cfg = _cfg()
-    record = _describe(cfg)
+    record = _describe(cfg, **given)
     assert record["model"] == {"source": "builder", "class": "OwnNet", "module": "tests.models.own",
                                "parameters": sum(p.numel() for p in own_net().parameters()),
                                "digest": record["model"]["digest"]}
@@ -81,7 +77,7 @@ def test_a_scripts_objects_are_recorded_and_the_keys_they_replaced_are_not(given
     assert record["loss"] == {"source": "object", "class": "CrossEntropyLoss", "module": "torch.nn.modules.loss",
                               "arguments": {"reduction": "mean", "ignore_index": -100, "label_smoothing": 0.1}}
     json.dumps(record, allow_nan=False)  # plain JSON, nothing a reader must guess
-    stored = recipe.stored_config(cfg)
+    stored = recipe.Recipe(cfg, **given).stored_config()
     assert stored["model"] == {"num_classes": 10}  # the data checks read it
     assert stored["optim"] == {}
     assert cfg["model"]["name"] == "lenet"  # the run's own configuration is untouched
@@ -97,7 +93,7 @@ def test_a_factory_is_recorded_and_model_name_is_not_stored_beside_it():
     assert model["module"] == str(ROOT / "tests/models/own.py")  # loaded from a file: its path
     assert record["optimizer"]["source"] == "config" and record["optimizer"]["class"] == "AdamW"
     assert record["schedule"]["arguments"] == {"step_size": 3, "gamma": 0.5, "base_lrs": [0.05]}
-    stored = recipe.stored_config(cfg)
+    stored = recipe.Recipe(cfg).stored_config()
     assert "name" not in stored["model"] and stored["model"]["factory"] == cfg["model"]["factory"]
     # A class takes optim.kwargs, not the sgd shortcut's momentum; a scheduler sets the rate.
     assert {"momentum", "weight_decay", "schedule"}.isdisjoint(stored["optim"])
@@ -110,7 +106,7 @@ def test_a_shipped_model_is_recorded_by_name():
     assert record["model"]["source"] == "shipped" and record["model"]["name"] == "lenet"
     assert record["optimizer"]["groups"][0]["momentum"] == 0.9
     assert record["schedule"] == {"source": "config", "rule": "constant", "base": "optim.lr", "lr": 0.05}
-    stored = recipe.stored_config(cfg)
+    stored = recipe.Recipe(cfg).stored_config()
     assert stored["model"]["name"] == "lenet" and "factory" not in stored["model"]
     assert stored["optim"]["name"] == "sgd" and "kwargs" not in stored["optim"]
 
@@ -124,25 +120,24 @@ def test_the_digest_is_of_the_weights_as_built():
 def test_a_given_optimizer_trains_at_its_own_rate_not_optim_lr():
     # optim.lr (0.05 by default) is left out of the log when an optimizer is given, so
     # it must not be what trains: the optimizer's own rate is the base of optim.schedule.
-    recipe.give(optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
-    try:
-        for rule, want in (("constant", 0.01), ("cosine", 0.005)):
-            cfg = _cfg(optim={"schedule": rule})
-            schedule = recipe.Schedule(cfg, 10)
-            opt = recipe.make_optimizer(cfg, [torch.zeros(1, requires_grad=True)])
-            schedule.apply(opt, 5)
-            assert opt.param_groups[0]["lr"] == pytest.approx(want)
-            schedule.apply(opt, 0)  # from the base, not from the rate last set
-            assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
-            assert recipe.Schedule(cfg, 10).describe()["base"] == "optimizer"
-        # A resumed run's optimizer comes from its checkpoint: the base travels with it.
-        again = recipe.make_optimizer(cfg, [torch.zeros(1, requires_grad=True)])
+    def sgd(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(m.parameters(), lr=0.01)
+
+    for rule, want in (("constant", 0.01), ("cosine", 0.005)):
+        made = recipe.Recipe(_cfg(optim={"schedule": rule}), optimizer=sgd)
+        schedule = made.schedule(10)
+        opt = made.make_optimizer(nn.Linear(1, 1))
         schedule.apply(opt, 5)
-        again.load_state_dict(opt.state_dict())
-        schedule.apply(again, 5)
-        assert again.param_groups[0]["lr"] == pytest.approx(0.005)
-    finally:
-        recipe.give()
+        assert opt.param_groups[0]["lr"] == pytest.approx(want)
+        schedule.apply(opt, 0)  # from the base, not from the rate last set
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
+        assert made.schedule(10).describe()["base"] == "optimizer"
+    # A resumed run's optimizer comes from its checkpoint: the base travels with it.
+    again = made.make_optimizer(nn.Linear(1, 1))
+    schedule.apply(opt, 5)
+    again.load_state_dict(opt.state_dict())
+    schedule.apply(again, 5)
+    assert again.param_groups[0]["lr"] == pytest.approx(0.005)
 
 
 def test_the_schema_refuses_what_it_does_not_declare():
@@ -155,8 +150,9 @@ def test_the_schema_refuses_what_it_does_not_declare():
 
 def test_the_report_shows_the_recipe_that_ran(given, tmp_path):
     cfg = _cfg()
-    record = _describe(cfg)
-    log = RunLog(tmp_path / "run.h5", system="mpipipe", config=recipe.stored_config(cfg), comm_size=3)
+    record = _describe(cfg, **given)
+    log = RunLog(tmp_path / "run.h5", system="mpipipe", config=recipe.Recipe(cfg, **given).stored_config(),
+                 comm_size=3)
     log.set_attr("recipe", record)
     log.close()
     text = summarize(load_run(tmp_path / "run.h5"))
@@ -187,7 +183,7 @@ from tests.models.own import own_net
 mpipipe.train({{"run": {{"steps": 3, "eval_every": 0}}, "data": {{"path": sys.argv[1], "batch_size": 16}},
                "pipeline": {{"stages": 2, "chunks": 2}}}},
               model=own_net,
-              optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01),
+              optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01),
               scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=3),
               loss=nn.CrossEntropyLoss(label_smoothing=0.1), log=sys.argv[2], quiet=True)
 """

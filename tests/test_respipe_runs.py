@@ -55,7 +55,7 @@ def _params(ckpt: Path) -> list[dict[str, torch.Tensor]]:
 def _predicted(log_path: Path):
     """The cost model of this run's cut (a ``Cost``), recomputed here from its config."""
     from mpipipe.core.run.models import build_model
-    from mpipipe.core.run.recipe import make_optimizer
+    from mpipipe.core.run.recipe import Recipe
     from mpipipe.pipeline.partition import split
     from mpipipe.pipeline.plan import backup_counts
     from mpipipe.respipe import costmodel
@@ -66,7 +66,7 @@ def _predicted(log_path: Path):
     model = build_model("lenet", 10, (1, 8, 8))
     # (interleaved: 6 chunks, stage k holds k and k + 3)
     shapes, in_bytes = costmodel.stage_shapes(split(model, balance), (1, 8, 8),
-                                              lambda p: make_optimizer(cfg, p), stages=3)
+                                              Recipe(cfg).make_optimizer, stages=3)
     res = cfg["resilience"]
     # neighbour mode protects every stage (the next one holds its replica)
     backups = dict.fromkeys(range(3), 1) if res["mode"] == "neighbour" \

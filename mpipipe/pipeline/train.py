@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from mpipipe.core.logs.logschema import EventKind
 from mpipipe.core.mpi import stop, watchdog
 from mpipipe.core.mpi.roles import fail_fast
-from mpipipe.core.run.cli import Run, gather_figures
+from mpipipe.core.run.cli import Run, gather_figures, gather_model_state
 
 # torch, the engine and the data reader are imported where used, so that a wrong
 # configuration is reported before any rank pays for importing torch.
@@ -144,20 +144,20 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
 
     torch.manual_seed(cfg["run"]["seed"])
     try:
-        model = recipe.build_model(cfg, in_shape)
-        loss_fn = recipe.make_loss(cfg)
-        schedule = recipe.Schedule(cfg, total)
-        recipe.make_optimizer(cfg, [torch.zeros(1, requires_grad=True)])  # fails here, not later
+        model = run.recipe.build_model(in_shape)
+        loss_fn = run.recipe.make_loss()
+        schedule = run.recipe.schedule(total)
+        run.recipe.make_optimizer(model)  # fails here, not later (the whole model: every name)
     except recipe.RecipeError as e:
         run.fail(e)
     # What runs, read from the objects (docs/hdf5-log.md), as built; written with the cut,
     # once every check passed (a resume with nothing to resume leaves its log untouched).
-    made = recipe.describe(cfg, model, schedule, loss_fn) if run.log.active else None
+    made = run.recipe.describe(model, schedule, loss_fn) if run.log.active else None
     if cfg["pipeline"]["deferred_batch_norm"]:
         from mpipipe.pipeline.deferred_bn import defer_batch_norm
 
         if not defer_batch_norm(model):
-            run.fail(f"pipeline.deferred_batch_norm = true, but model {recipe.model_name(cfg)} "
+            run.fail(f"pipeline.deferred_batch_norm = true, but model {run.recipe.model_name()} "
                      f"has no BatchNorm layer: it would change nothing; leave it false")
     route = Route.from_plan(run.plan, k)
     my_stage = route.stage_of(run.rank)
@@ -165,22 +165,22 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     # resume: each stage reads its own file; the balance comes from the checkpoint
     state = None
     error = None
-    if run.args.resume and my_stage is not None:
+    if run.request.resume and my_stage is not None:
         try:
-            state = checkpoint.load_stage(run.args.resume, my_stage)
+            state = checkpoint.load_stage(run.request.resume, my_stage)
         except checkpoint.CheckpointError as e:
             error = str(e)
     agree(run, error)
-    if run.args.resume:
+    if run.request.resume:
         seen = comm.allgather(None if state is None else (state.step, tuple(state.balance)))
         seen = {s for s in seen if s is not None}
         if len(seen) != 1:
-            run.fail(f"the checkpoints in {run.args.resume} disagree on step or balance: "
+            run.fail(f"the checkpoints in {run.request.resume} disagree on step or balance: "
                      f"{sorted(seen)}; they are not from one run")
 
     balance = list(cfg["pipeline"]["balance"])
     costs: list[float] | None = None  # the per-layer costs of an automatic cut
-    if state is not None or run.args.resume:
+    if state is not None or run.request.resume:
         saved = comm.bcast(list(state.balance) if state is not None else None, root=route.ranks[0])
         if balance and balance != saved:
             run.fail(f"pipeline.balance = {balance} differs from the checkpoint's {saved}")
@@ -188,7 +188,7 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     elif not balance:
         if v * k > len(model):
             run.fail(f"pipeline.stages = {k}" + (f" with {v} chunks each" if v > 1 else "")
-                     + f" but model {recipe.model_name(cfg)} has only "
+                     + f" but model {run.recipe.model_name()} has only "
                      f"{len(model)} layers")
         # The same function as `python -m mpipipe plan`, so the dry run shows this cut.
         if cfg["pipeline"]["balance_by"] == "params":
@@ -209,7 +209,8 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
                     in_shape=in_shape, deadline=cfg["resilience"]["deadline_s"] or None,
                     seed=cfg["run"]["seed"])
     check_same_weights(run, pipe)
-    optimizer = recipe.make_optimizer(cfg, pipe.parameters())  # checked above: cannot fail
+    optimizer = (run.recipe.make_optimizer(pipe.stage_module)  # checked above: cannot fail
+                 if pipe.stage_module is not None else None)
     setup_ = Setup(run, model, pipe, optimizer, loss_fn, in_shape, total, schedule,
                    eval_batches=eval_batches)
     if pipe.first:
@@ -227,21 +228,21 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
                 else:  # ResPipe's checkpoints: its readers are positioned by the step alone
                     setup_.train_data.seek_batch(state.step)
         except (RuntimeError, ValueError, KeyError) as e:
-            error = (f"the checkpoint of stage {my_stage} in {run.args.resume} does not fit "
+            error = (f"the checkpoint of stage {my_stage} in {run.request.resume} does not fit "
                      f"this model and optimizer (was it written with another config?): {e}")
         pipe.eval_count = state.eval_count
-    if run.args.resume:
+    if run.request.resume:
         agree(run, error)  # every rank stops with the same line, none waits for another
         setup_.start_step = comm.bcast(state.step if state is not None else None,
                                        root=route.ranks[0])
         if setup_.start_step >= total:  # before any record: the old log stays as it was
-            fail_fast(comm, f"--resume {run.args.resume}: its checkpoints are of step "
+            fail_fast(comm, f"--resume {run.request.resume}: its checkpoints are of step "
                             f"{setup_.start_step}, and this run ends at step {total} (run.steps / "
                             f"run.epochs): nothing to resume; give more steps to train further",
                       run.prog, run.rank)
         pipe.step_count = setup_.start_step
         run.log.cut_after(setup_.start_step)  # a continued log: those steps run again
-        run.log.event(EventKind.RESUME, step=setup_.start_step, directory=str(run.args.resume))
+        run.log.event(EventKind.RESUME, step=setup_.start_step, directory=str(run.request.resume))
     run.log.expect_steps(setup_.start_step + 1, total)
 
     ckpt = cfg["run"]["checkpoint_dir"]
@@ -380,9 +381,7 @@ def train(run: Run) -> int:
     ckpt_every = cfg["run"]["checkpoint_every"]
     batch = cfg["data"]["batch_size"]
     if run.rank == 0:
-        from mpipipe.core.run.recipe import model_name
-
-        progress.message(f"{model_name(cfg)} in {s.pipe.k} stages, balance "
+        progress.message(f"{run.recipe.model_name()} in {s.pipe.k} stages, balance "
                          f"{s.pipe.balance}, {cfg['pipeline']['schedule']}, "
                          f"{s.pipe.chunks} micro-batches of ~{batch // s.pipe.chunks}")
     loss = math.nan
@@ -433,6 +432,8 @@ def train(run: Run) -> int:
         "log": str(log.path) if log.active else "",
     }
     log.set_attr("summary", summary)
+    if run.request.api:  # a script gets the model back on the writer (mpipipe.train)
+        run.final_state = gather_model_state(comm, s.pipe.stage_module, run.plan.log_rank)
     if log.active:  # the writer's: what the Python API gives back
         run.result.update(summary)
     if run.rank == 0:

@@ -108,7 +108,6 @@ def train(run: Any) -> int:
     """
     from mpipipe.core.mpi import stop
     from mpipipe.core.run import batches
-    from mpipipe.core.run.recipe import make_optimizer
     from mpipipe.core.state import checkpoint
     from mpipipe.pipeline import train as plain
 
@@ -134,12 +133,12 @@ def train(run: Any) -> int:
     def seek(step: int) -> None:
         open_reader().seek_batch(step)
 
-    def make_opt(params: Iterable[nn.Parameter]) -> Any:
-        return make_optimizer(cfg, params) or _NoParams()
+    def make_opt(module: nn.Module) -> Any:
+        return run.recipe.make_optimizer(module) or _NoParams()
 
     resume = None
-    if run.args.resume:
-        directory = run.args.resume
+    if run.request.resume:
+        directory = run.request.resume
         resume = (s.start_step, lambda k: checkpoint.load_stage(directory, k))
     error = None
     try:
@@ -181,6 +180,8 @@ def train(run: Any) -> int:
         # Leave without MPI_Finalize, whose world-wide agreement would wait for ranks
         # that have moved on (or, after a lost stage, exited with an error).
         stop.flush_and_exit(0)
+    if run.request.api:  # a script gets the model back on the writer (mpipipe.train)
+        run.final_state = _final_state(rp)
     code = 0
     if log.active:
         summary = {
@@ -201,8 +202,25 @@ def train(run: Any) -> int:
         # A replaced rank leaves without MPI_Finalize (see Demoted above), and a killed
         # one never reaches it; the world-wide agreement inside Finalize was seen to wait
         # for such a rank now and then. Everything is written and closed: leave as well.
-        if getattr(run.args, "api", False):  # a script goes on: leave when it ends
+        if run.request.api:  # a script goes on: leave when it ends
             stop.exit_at_end(code)
             return code
         stop.flush_and_exit(code)
     return code
+
+
+def _final_state(rp: ResPipe) -> dict[str, Any] | None:
+    """The whole model's state on the log's writer, gathered from the stages of the last
+    generation over its communicator (None elsewhere). A member that fails during the
+    gather leaves the writer without it: said in one line, and the run still completes
+    (its checkpoints, where configured, hold the state)."""
+    from mpipipe.core.run.cli import gather_model_state
+
+    module = rp.pipe.partitions[rp.stage] if rp.stage is not None else None
+    try:
+        return gather_model_state(rp.data, module, rp.members.index(rp.log_w))
+    except Exception as e:  # noqa: BLE001 - MPI's error under ULFM: a member died at the end
+        if rp.is_logger:
+            print(f"mpipipe train: note: the final model could not be gathered ({e}); "
+                  "Result.state_dict is None", file=sys.stderr, flush=True)
+        return None

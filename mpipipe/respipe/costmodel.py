@@ -120,7 +120,7 @@ class Cost:
 
 
 def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int],
-                 make_optimizer: Callable[[list[Any]], Any], *, stages: int | None = None
+                 make_optimizer: Callable[[Any], Any], *, stages: int | None = None
                  ) -> tuple[list[StageShape], int]:
     """Each stage's activation and replica bytes, from a no-grad forward of one zero sample.
 
@@ -129,7 +129,7 @@ def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int],
     of which stage s holds s, s + K, ... when ``stages`` = K is fewer; or a pipeline's
     ``partitions`` (stage modules that hold their chunks). Replicas carry float32
     the stage's whole state, of all its chunks: parameters, buffers and the state of
-    the optimizer ``make_optimizer(params)`` builds (:mod:`mpipipe.core.state.statecodec`, whose
+    the optimizer ``make_optimizer(module)`` builds (:mod:`mpipipe.core.state.statecodec`, whose
     byte count is the replica message's, byte for byte).
     """
     import torch
@@ -159,8 +159,7 @@ def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int],
     out = []
     for s in range(k):
         module = nn.ModuleList(parts[s::k])
-        params = list(module.parameters())
-        lay = layout_of(module, make_optimizer(params) if params else None)
+        lay = layout_of(module, make_optimizer(module))
         mine = tuple(acts[s::k])
         out.append(StageShape(sum(mine), lay.param_bytes, lay.nbytes - lay.param_bytes,
                               mine if len(mine) > 1 else ()))
@@ -394,7 +393,8 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
             raise ValueError(f"{e} (or pass --in-shape C,H,W)") from None
     torch.manual_seed(cfg["run"]["seed"])
     try:
-        model = recipe.build_model(cfg, in_shape)
+        made = recipe.Recipe(cfg)
+        model = made.build_model(in_shape)
     except recipe.RecipeError as e:
         raise ValueError(str(e)) from None
     k = cfg["pipeline"]["stages"]
@@ -408,7 +408,7 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
             note = " (by parameters; the run balances by measured time and may cut elsewhere)"
     try:
         shapes, in_bytes = stage_shapes(split(model, balance), in_shape,
-                                        lambda p: recipe.make_optimizer(cfg, p), stages=k)
+                                        made.make_optimizer, stages=k)
     except recipe.RecipeError as e:
         raise ValueError(str(e)) from None
     return shapes, in_bytes, balance, note

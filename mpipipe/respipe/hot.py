@@ -68,7 +68,7 @@ class HotMirror:
         resumed run's checkpoint), optimizer state included."""
         if self.optimizer is not None and self._mirror_of == k:
             return
-        self.optimizer = self.make_optimizer(self._params(k))
+        self.optimizer = self.make_optimizer(self._module(k))
         self._mirror_of = k
         self.pipe.abandon()
         if self.slots:

@@ -102,7 +102,7 @@ class Membership:
         self.pipe.resumable = hot and self.pipe.chunks <= 62
         self.wards = self._wards_of(self.wrank) if self.stage is not None else []
         if self.stage is not None and self.optimizer is None:
-            self.optimizer = self.make_optimizer(self._params(self.stage))
+            self.optimizer = self.make_optimizer(self._module(self.stage))
 
     def _launch_stage(self, w: int) -> int | None:
         role = self.plan.role_of(w)

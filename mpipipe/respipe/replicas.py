@@ -53,7 +53,7 @@ class Replicas:
             x = torch.zeros((2, *shape), dtype=dtype, requires_grad=dtype.is_floating_point)
             out = part(x)
             out.float().sum().backward()
-            opt = self.make_optimizer(part.parameters())
+            opt = self.make_optimizer(part)
             opt.step()
 
     def _replicate(self) -> None:
@@ -78,7 +78,7 @@ class Replicas:
         module = self._module(stage)
         sizes = self._replica_sizes
         if id(module) not in sizes:
-            opt = self.optimizer if stage == self.stage else self.make_optimizer(self._params(stage))
+            opt = self.optimizer if stage == self.stage else self.make_optimizer(self._module(stage))
             sizes[id(module)] = (module, state_nbytes(module, opt))  # the module kept: ids stay unique
         return torch.empty(sizes[id(module)][1], dtype=torch.uint8)
 
@@ -151,9 +151,8 @@ class Replicas:
     def _promote(self, k: int, count: int, P: int) -> None:
         """This backup now serves stage k from its replica of step ``count``."""
         slot = next((s for s in self.slots if s.count == count), None)
-        params = self._params(k)
         if self.optimizer is None or self._mirror_of != k:
-            self.optimizer = self.make_optimizer(params)
+            self.optimizer = self.make_optimizer(self._module(k))
         if slot is None:
             raise RuntimeError(f"backup of stage {k} lacks the replica of step {count}")
         unpack_state(slot.flat, self._module(k), self.optimizer, count)
@@ -191,7 +190,7 @@ class Replicas:
                 raise RuntimeError(f"neighbour of stage {k} lacks its replica of step {count}")
             own = self._params(self.stage) if self.stage is not None else []
             ward_module = old.partitions[k]
-            merged = self.make_optimizer(new.partitions[into].parameters())
+            merged = self.make_optimizer(new.partitions[into])
             old_opt = self.optimizer
             if old_opt is not None:
                 for p in own:
@@ -223,7 +222,7 @@ class Replicas:
             self._take_resync(self.route_w[self.shadowing], self.shadowing, P, t, deadline)
             if self.settings.mode == "hot":
                 if self.optimizer is None or self._mirror_of != self.shadowing:
-                    self.optimizer = self.make_optimizer(self._params(self.shadowing))
+                    self.optimizer = self.make_optimizer(self._module(self.shadowing))
                     self._mirror_of = self.shadowing
                 unpack_state(self.slots[-1].flat, self._module(self.shadowing), self.optimizer, P)
             self.done = P

@@ -41,7 +41,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -91,7 +91,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
     plan says whether it starts as a stage or a backup. Callables supplied by
     the training command keep this class free of data sets and models:
     ``batch_of(step) -> (x, y)`` must return the same mini-batch for the same
-    step (a replay re-reads it), ``make_optimizer(params)`` builds a stage's
+    step (a replay re-reads it), ``make_optimizer(module)`` builds a stage's
     optimizer, and ``evaluate(pipe) -> (correct, count) | None`` runs a
     forward-only pass on every stage rank.
     """
@@ -102,7 +102,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         cfg: Mapping[str, Any],
         plan: Any,
         pipe: Pipeline,
-        make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         evaluate: Callable[[Pipeline], tuple[int, int] | None] | None = None,
@@ -133,9 +133,9 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self.out = out or sys.stdout
         self.in_shape = tuple(in_shape) if in_shape is not None else pipe.in_shape
         if schedule is None:
-            from mpipipe.core.run.recipe import Schedule
+            from mpipipe.core.run.recipe import Recipe
 
-            schedule = Schedule(cfg, int(cfg["run"]["steps"]))
+            schedule = Recipe(cfg).schedule(int(cfg["run"]["steps"]))
         self.schedule = schedule  # the hyperparameters of each step (a replay's too)
         self.batch_size = int(cfg["data"]["batch_size"])
         self.ulfm = ft.ulfm_enabled()
@@ -197,7 +197,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         # Every rank built the model from the same seed: before the first replica
         # arrives, a holder's copy of the initial state is the replica of step 0.
         for k in ([self.shadowing] if self.shadowing is not None else self.wards):
-            self._hold(_Slot(pack_state(self._module(k), self.make_optimizer(self._params(k))),
+            self._hold(_Slot(pack_state(self._module(k), self.make_optimizer(self._module(k))),
                              0), k)
         if self.shadowing is not None:
             self._warm_up(self.shadowing)
@@ -231,8 +231,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         held = [self.shadowing] if self.shadowing is not None else list(self.wards)
         for k in owned + held:
             state = load(k)
-            params = self._params(k)
-            opt = self.optimizer if k == self.stage else self.make_optimizer(params)
+            opt = self.optimizer if k == self.stage else self.make_optimizer(self._module(k))
             try:
                 self.pipe.partitions[k].load_state_dict(state.params)
                 if state.optimizer and isinstance(opt, torch.optim.Optimizer):

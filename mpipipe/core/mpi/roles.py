@@ -22,6 +22,8 @@ __all__ = [
     "LaunchPlan",
     "PlanError",
     "fail_fast",
+    "TrainingFailed",
+    "report_failure",
     "check_world_size",
 ]
 
@@ -221,13 +223,39 @@ def check_world_size(size: int, env: Mapping[str, str] | None = None) -> None:
         )
 
 
+class TrainingFailed(RuntimeError):
+    """The run stopped with one error line, on every rank alike (a bad configuration, plan,
+    fault or log path; a lost stage; a run that did not complete).
+
+    Why an exception and not an exit: ``mpipipe.train(...)`` runs inside the user's script,
+    which may catch it and go on; the commands print :attr:`line` on rank 0 and exit with
+    :attr:`status` (2), as they always did.
+    """
+
+    def __init__(self, message: str, prog: str = "", rank: int = 0, status: int = 2) -> None:
+        super().__init__(message)
+        self.prog, self.rank, self.status = prog, rank, status
+
+    @property
+    def line(self) -> str:
+        """What the command prints: ``prog: error: message``."""
+        return f"{self.prog}: error: {self}" if self.prog else str(self)
+
+
 def fail_fast(comm: Any, error: BaseException | str, prog: str, rank: int | None = None) -> NoReturn:
-    """Print one error line (rank 0 only) and exit with status 2 on every rank."""
+    """Stop this rank with one error line (:class:`TrainingFailed`); every rank must reach
+    the same verdict, and the command prints it once (rank 0)."""
     rank = comm.Get_rank() if rank is None and comm is not None else (rank or 0)
-    if rank == 0:
-        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    raise SystemExit(2)
+    raise TrainingFailed(str(error), prog, rank)
+
+
+def report_failure(failure: TrainingFailed) -> int:
+    """A command's end after :class:`TrainingFailed`: its line on rank 0; the exit status."""
+    if failure.rank == 0:
+        print(failure.line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    return failure.status
 
 
 def describe_roles(roles: Iterable[Role]) -> str:

@@ -31,7 +31,8 @@ from mpipipe.core.mpi.roles import LaunchPlan, PlanError, check_world_size, fail
 from mpipipe.core.run import recipe
 from mpipipe.core.run.configfile import ConfigError, load_config
 
-__all__ = ["Run", "add_train_arguments", "add_dry_run_arguments", "start_run", "gather_figures"]
+__all__ = ["Request", "Run", "add_train_arguments", "add_dry_run_arguments", "start_run", "gather_figures",
+           "gather_model_state"]
 
 
 def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +87,35 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, resume: bool = True)
 
 
 @dataclass
+class Request:
+    """What a training run is asked to do: the one input of both ways in, the command line
+    (:meth:`from_args`) and the Python API (``mpipipe.train``, ``stannis.train``).
+
+    ``config`` is a TOML path, a dict of the same sections, or None (the defaults);
+    ``settings`` are ``KEY=VALUE`` overrides as ``--set`` takes them; ``objects`` the
+    script's model, optimizer, scheduler and loss (:class:`mpipipe.core.run.recipe.Recipe`);
+    ``api``: a script goes on after the run, so a rank must not leave the process.
+    """
+
+    config: str | Path | Mapping[str, Any] | None = None
+    settings: Sequence[str] = ()
+    inject: Sequence[str] = ()
+    log: str | Path | None = None
+    resume: str | Path | None = None
+    quiet: bool = False
+    overwrite: bool = False
+    objects: Mapping[str, Any] = field(default_factory=dict)
+    api: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Request:
+        """The request the command line makes (:func:`add_train_arguments`)."""
+        return cls(config=args.config, settings=list(args.set), inject=list(args.inject),
+                   log=args.log, resume=getattr(args, "resume", None), quiet=args.quiet,
+                   overwrite=args.overwrite)
+
+
+@dataclass
 class Run:
     """Everything a training loop needs that is not model-specific."""
 
@@ -96,10 +126,12 @@ class Run:
     plan: LaunchPlan
     log: RunLog
     progress: Progress
-    args: argparse.Namespace
+    request: Request
     prog: str
+    recipe: recipe.Recipe
     result: dict[str, Any] = field(default_factory=dict)  # the summary, where the log is written
     final_state: dict[str, Any] | None = None  # the whole model's, where one rank holds it
+    status: int = 0  # the exit status the run ended with
 
     def fail(self, error: BaseException | str) -> None:
         """Stop every rank with one error line (all ranks must reach the same verdict)."""
@@ -151,16 +183,16 @@ def own_log(resume: str | None) -> Path | None:
     return log if log.is_file() else None
 
 
-def _log_mode(path: Path, args: argparse.Namespace) -> tuple[str, str | None]:
+def _log_mode(path: Path, request: Request) -> tuple[str, str | None]:
     """How the writer opens ``path``: ``x`` (a new file), ``w`` (--overwrite) or ``a``
     (--resume continues it); or an error line when the file must not be touched."""
     if not path.exists():
         return "x", None
     if path.is_dir():
         return "x", f"--log {path} is a directory; give a file name, e.g. {path / 'run.h5'}"
-    if args.overwrite:
+    if request.overwrite:
         return "w", None
-    if args.resume:
+    if request.resume:
         return "a", None
     if failed_before_first_step(path) is not None:
         return "w", None
@@ -202,7 +234,7 @@ def failed_before_first_step(path: Path) -> str | None:
 
 
 def start_run(
-    args: argparse.Namespace,
+    request: Request,
     *,
     prog: str,
     system: str,
@@ -243,14 +275,15 @@ def start_run(
     if mismatch:
         fail_fast(comm, mismatch, prog, rank)
     try:
-        cfg = load_config(args.config, args.set, defaults, choices)
+        cfg = load_config(request.config, list(request.settings), defaults, choices)
         section, key = inject_key
-        if args.inject:
-            cfg[section][key] = list(cfg[section][key]) + list(args.inject)
+        if request.inject:
+            cfg[section][key] = list(cfg[section][key]) + list(request.inject)
         if float(cfg["run"].get("watchdog_s", 0.0)) < 0:
             raise ConfigError(f"run.watchdog_s = {cfg['run']['watchdog_s']}: give 0 (at least "
                               "60 s or 20 median steps) or the seconds without progress that "
                               "end a stuck job")
+        made = recipe.Recipe(cfg, **request.objects)
         plan = build_plan(cfg, size)
         total = total_steps(cfg)
         check_faults(cfg, plan, list(cfg[section][key]), total)
@@ -271,9 +304,9 @@ def start_run(
     writer = plan.log_rank
     path = mode = error = None
     if rank == writer:
-        path = Path(args.log) if args.log else own_log(args.resume) or default_log_path(system)
-        mode, error = _log_mode(path, args)
-        if mode == "w" and not args.overwrite:
+        path = Path(request.log) if request.log else own_log(request.resume) or default_log_path(system)
+        mode, error = _log_mode(path, request)
+        if mode == "w" and not request.overwrite:
             print(f"{prog}: note: replacing {path}, the log of a run that failed before its "
                   f"first step", file=sys.stderr, flush=True)
     error = comm.bcast(error, root=writer)
@@ -294,8 +327,8 @@ def start_run(
         assert path is not None and mode is not None
         try:
             # The configuration as it is used: keys a script's object replaced are left
-            # out (recipe.stored_config); the setup records what runs as `recipe`.
-            log = RunLog(path, system=system, config=recipe.stored_config(cfg), comm_size=size,
+            # out (Recipe.stored_config); the setup records what runs as `recipe`.
+            log = RunLog(path, system=system, config=made.stored_config(), comm_size=size,
                          emulation=emulation(cfg, plan) if emulation else None,
                          attrs={"plan": plan.describe(), "hosts": hosts}, mode=mode)
         except (OSError, LogError) as e:
@@ -318,11 +351,11 @@ def start_run(
     stop.install(hosts)  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.core.mpi.stop)
     if total > 0:
         log.expect_steps(1, total)
-    progress = Progress(total, enabled=(rank == writer), quiet=args.quiet,
+    progress = Progress(total, enabled=(rank == writer), quiet=request.quiet,
                         every=cfg["run"].get("log_every", 10), prog=prog)
     if rank == writer:
         progress.startup(startup_line(size, plan.roles, hosts, where))
-    return Run(comm, rank, size, cfg, plan, log, progress, args, prog)
+    return Run(comm, rank, size, cfg, plan, log, progress, request, prog, made)
 
 
 def gather_figures(comm: Any, figures: Mapping[str, float], root: int = 0) -> dict[int, dict[str, float]] | None:
@@ -331,3 +364,24 @@ def gather_figures(comm: Any, figures: Mapping[str, float], root: int = 0) -> di
     if gathered is None:
         return None
     return {r: f for r, f in enumerate(gathered) if f is not None}
+
+
+def gather_model_state(comm: Any, module: Any, root: int) -> dict[str, Any] | None:
+    """The whole model's ``state_dict`` on ``root`` (the log's writer), from each rank's
+    stage ``module`` (None on a rank without one); None on every other rank. Collective
+    over ``comm``.
+
+    Why over MPI: a script that called ``mpipipe.train`` gets its model back at the end
+    without a checkpoint directory, and without reading files other ranks may still be
+    writing. A stage keeps the chain's names (:func:`mpipipe.pipeline.partition.split`),
+    so the parts add up to the chain's ``state_dict``; neighbour-merged stages and a
+    rank's interleaved chunks alike.
+    """
+    mine = {k: v.detach().clone() for k, v in module.state_dict().items()} if module is not None else {}
+    parts = comm.gather(mine, root=root)
+    if parts is None:
+        return None
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return merged

@@ -35,10 +35,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["RecipeError", "give", "given", "MODEL_DEFAULTS", "OPTIM_DEFAULTS", "resolve", "anchor",
-           "build_model", "as_chain", "make_optimizer", "Schedule", "make_loss", "checksum",
-           "describe_recipe", "describe", "stored_config", "unused_keys", "model_name",
-           "source_names", "chain_keys"]
+__all__ = ["RecipeError", "Recipe", "Schedule", "MODEL_DEFAULTS", "OPTIM_DEFAULTS", "resolve", "anchor",
+           "checksum"]
 
 MODEL_DEFAULTS: dict[str, Any] = {
     "name": "lenet",  # a shipped model (lenet | vgg | resnet), used when factory is empty
@@ -63,24 +61,6 @@ OPTIM_DEFAULTS: dict[str, Any] = {
 
 class RecipeError(ValueError):
     """A model, optimizer, scheduler or loss of the configuration cannot be built."""
-
-
-# The Python objects a script gave mpipipe.train / stannis.train (they take the place of
-# the configuration's names in this process): model (an nn.Module or a builder of one),
-# optimizer (params -> Optimizer), scheduler (Optimizer -> LRScheduler), loss.
-_GIVEN: dict[str, Any] = {}
-
-
-def give(**objects: Any) -> None:
-    """Use these Python objects instead of the configuration's names in this process
-    (``None`` leaves the configuration's); what the Python API calls before training."""
-    _GIVEN.clear()
-    _GIVEN.update({k: v for k, v in objects.items() if v is not None})
-
-
-def given(what: str) -> Any:
-    """The object a script gave for ``what`` (model, optimizer, scheduler, loss), or None."""
-    return _GIVEN.get(what)
 
 
 def _suggest(word: str, known: Sequence[str]) -> str:
@@ -175,108 +155,335 @@ def _call(fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
         raise RecipeError(f"{what} failed: {type(e).__name__}: {e}") from None
 
 
-def build_model(cfg: Mapping[str, Any], in_shape: Sequence[int],
-                base: Path | None = None) -> nn.Sequential:
-    """The configuration's model as a chain a pipeline can cut: a shipped one by
-    ``model.name``, or the user's ``model.factory`` called with ``model.kwargs`` (an
-    ``nn.Sequential`` is flattened, another module traced into pieces,
-    :func:`mpipipe.core.run.chain.sequential`). Seed torch first: every rank must build the
-    same weights (:func:`checksum` checks it).
+class Recipe:
+    """One run's recipe: the configuration's ``[model]`` and ``[optim]``, and the Python
+    objects a script gave ``mpipipe.train`` / ``stannis.train`` (model: an ``nn.Module``
+    or a builder of one; optimizer: the stage's module -> Optimizer; scheduler: Optimizer
+    -> LRScheduler; loss), which take the place of the configuration's names.
 
-    Raises:
-        RecipeError: the factory cannot be found or called, returns no ``nn.Module``, or
-            the model cannot be cut into a chain.
+    Why an object: it is built once per run and handed down, so two ``train()`` calls in
+    one script, with different models, share nothing; and what the model was made of
+    (its source, the user's names of the chain's tensors) stays with the run that made it.
     """
-    chain = _build(cfg, in_shape, base)
-    _KEYS.clear()
-    _KEYS.update(chain.state_dict())
-    return chain
+
+    def __init__(self, cfg: Mapping[str, Any], *, model: Any = None, optimizer: Any = None,
+                 scheduler: Any = None, loss: Any = None, base: Path | None = None) -> None:
+        self.cfg, self.base = cfg, base
+        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loss": loss}
+        self.given: dict[str, Any] = {k: v for k, v in objects.items() if v is not None}
+        self.names: dict[str, str] = {}  # the chain's state_dict name -> the user's model's
+        self.keys: set[str] = set()  # the chain's state_dict names
+        # How the model was made (for describe): its source (object | builder | factory |
+        # shipped), the nn.Module the user's code returned, before it was cut into a chain
+        # (its class is the user's), and the configuration's name, factory and kwargs.
+        self.made: dict[str, Any] = {}
+
+    # -- the model -------------------------------------------------------------------
+    def build_model(self, in_shape: Sequence[int]) -> nn.Sequential:
+        """The model as a chain a pipeline can cut: the script's object (or builder), a
+        shipped one by ``model.name``, or the user's ``model.factory`` called with
+        ``model.kwargs`` (an ``nn.Sequential`` is flattened, another module traced into
+        pieces, :func:`mpipipe.core.run.chain.sequential`). Seed torch first: every rank must
+        build the same weights (:func:`checksum` checks it).
+
+        Raises:
+            RecipeError: the factory cannot be found or called, returns no ``nn.Module``,
+                or the model cannot be cut into a chain.
+        """
+        self.names, self.made = {}, {}
+        chain = self._build(in_shape)
+        self.keys = set(chain.state_dict())
+        return chain
+
+    def _build(self, in_shape: Sequence[int]) -> nn.Sequential:
+        from torch import nn
+
+        from mpipipe.core.run import models
+
+        m = self.cfg["model"]
+        if "model" in self.given:
+            model = self.given["model"]
+            source = "object"
+            if not isinstance(model, nn.Module):
+                source = "builder"
+                model = _call(model, "the model builder given to train()")
+                if not isinstance(model, nn.Module):
+                    raise RecipeError(f"the model builder given to train() returned a "
+                                      f"{type(model).__name__}, not an nn.Module")
+            self.made.update(source=source, module=model)
+            return self.as_chain(model, in_shape)
+        if not m.get("factory"):
+            if m.get("kwargs"):
+                raise RecipeError(f"model.kwargs = {m['kwargs']} takes effect only with "
+                                  f"model.factory; the shipped {m['name']!r} takes none")
+            try:
+                chain = models.build_model(m["name"], m["num_classes"], in_shape)
+            except ValueError as e:
+                raise RecipeError(str(e)) from None
+            self.made.update(source="shipped", module=chain, name=m["name"])
+            return chain
+        fn = resolve(m["factory"], "model.factory", self.base)
+        if not callable(fn):
+            raise RecipeError(f"model.factory = {m['factory']!r} is a {type(fn).__name__}, "
+                              f"not a function that returns an nn.Module")
+        model = _call(fn, f"model.factory {m['factory']!r}", **dict(m.get("kwargs") or {}))
+        if not isinstance(model, nn.Module):
+            raise RecipeError(f"model.factory {m['factory']!r} returned a {type(model).__name__}, "
+                              f"not an nn.Module")
+        self.made.update(source="factory", module=model, factory=m["factory"],
+                         kwargs=dict(m.get("kwargs") or {}))
+        return self.as_chain(model, in_shape)
+
+    def as_chain(self, model: nn.Module, in_shape: Sequence[int]) -> nn.Sequential:
+        """``model`` as an ``nn.Sequential`` (:func:`mpipipe.core.run.chain.sequential`), checked
+        on one zero sample of ``in_shape``; remembers the user's names of its tensors.
+
+        Raises:
+            RecipeError: the model cannot be cut into a chain (one line saying why).
+        """
+        import torch
+
+        from mpipipe.core.run.chain import ChainError, sequential
+
+        try:
+            chain = sequential(model, torch.zeros(2, *in_shape))
+        except ChainError as e:
+            raise RecipeError(str(e)) from None
+        # The chain's state_dict names are its own ("3.block1.conv1.weight"); the same
+        # tensors have the user's names in their model: kept, so a result can be given
+        # back in those, and an optimizer given param groups by them.
+        theirs = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
+        self.names.update({name: theirs[id(t)] for name, t in chain.state_dict(keep_vars=True).items()
+                           if id(t) in theirs})
+        return chain
+
+    def model_name(self) -> str:
+        """What to call the model in messages: "your model", the factory, or the shipped name."""
+        m = self.cfg["model"]
+        return "your model" if "model" in self.given else m["factory"] or m["name"]
+
+    def user_view(self, module: nn.Module) -> nn.Module:
+        """``module`` (a stage, or the whole chain) as your model names its parts.
+
+        Why: a stage is cut from the chain (:meth:`as_chain`), whose names are its own
+        ("3.conv1.weight"); an optimizer given to train() builds param groups from
+        ``named_parameters()`` in your model's names ("layer1.0.conv1.weight"), and finds
+        norms with ``isinstance`` on ``modules()``. The view holds the stage's own modules
+        (no copies), each at the place your model has it; a module the chain made (a
+        traced piece) or a name it cannot map keeps the chain's, under ``chain.``. A
+        stage of the project's shipped models is returned as it is.
+        """
+        return _view(module, self.names) if self.names else module
+
+    # -- the optimizer, the schedule and the loss ------------------------------------
+    def make_optimizer(self, module: nn.Module) -> torch.optim.Optimizer | None:
+        """This stage's optimizer over ``module``'s parameters, or None for a stage without.
+
+        ``sgd`` takes ``lr``, ``momentum`` and ``weight_decay``; ``adam`` ``lr`` and
+        ``weight_decay``; any other class ``lr`` and ``optim.kwargs``. An optimizer a
+        script gave is called with the stage's module as your model names its parts
+        (:meth:`user_view`), so that param groups by name (no weight decay on norms and
+        biases) work on every stage.
+
+        Raises:
+            RecipeError: an unknown optimizer or a keyword it does not take; a given
+                optimizer written for a list of parameters (one line shows the fix).
+        """
+        params = list(module.parameters())
+        if not params:
+            return None
+        if "optimizer" in self.given:
+            return _given_optimizer(self.given["optimizer"], self.user_view(module))
+        o = self.cfg["optim"]
+        cls = _optimizer_class(o["name"], self.base)
+        if o["name"] in _SHORTCUTS and o.get("kwargs"):
+            raise RecipeError(f"optim.kwargs = {o['kwargs']} takes effect only with a class name "
+                              f"(e.g. optim.name = \"{_SHORTCUTS[o['name']]}\"), not the "
+                              f"{o['name']!r} shortcut")
+        if o["name"] == "sgd":
+            kwargs = {"momentum": o["momentum"], "weight_decay": o["weight_decay"]}
+        elif o["name"] == "adam":
+            kwargs = {"weight_decay": o["weight_decay"]}
+        else:
+            kwargs = dict(o.get("kwargs") or {})
+        return _call(cls, f"optimizer {cls.__name__}", params, lr=o["lr"], **kwargs)
+
+    def schedule(self, total: int) -> Schedule:
+        """The hyperparameters of each of ``total`` steps (:class:`Schedule`).
+
+        Raises:
+            RecipeError: a scheduler that cannot be built or needs a metric.
+        """
+        return Schedule(self, total)
+
+    def make_loss(self) -> Callable[..., Any]:
+        """The loss the last stage calls on (output, labels): the script's, ``cross_entropy``
+        or an import string (a class, instantiated with ``model.loss_kwargs``, or a function
+        given them).
+
+        Raises:
+            RecipeError: an unknown loss or a keyword it does not take.
+        """
+        from torch import nn
+
+        if "loss" in self.given:
+            return self.given["loss"]
+        m = self.cfg["model"]
+        name, kwargs = m.get("loss", "cross_entropy"), dict(m.get("loss_kwargs") or {})
+        if name == "cross_entropy":
+            return _call(nn.CrossEntropyLoss, "loss cross_entropy", **kwargs)
+        if ":" not in name:
+            known = ["cross_entropy"] + [n for n in dir(nn) if n.endswith("Loss")]
+            raise RecipeError(f"model.loss = {name!r}: give \"cross_entropy\" or an import string "
+                              f"such as \"torch.nn:NLLLoss\"{_suggest(name, known)}")
+        obj = resolve(name, "model.loss", self.base)
+        if inspect.isclass(obj):
+            return _call(obj, f"loss {obj.__name__}", **kwargs)
+        if not callable(obj):
+            raise RecipeError(f"model.loss = {name!r} is a {type(obj).__name__}, not callable")
+        return functools.partial(obj, **kwargs) if kwargs else obj
+
+    # -- what the log records --------------------------------------------------------
+    def unused_keys(self) -> list[tuple[str, str]]:
+        """The ``(section, key)`` pairs of the configuration's ``[model]`` and ``[optim]``
+        that the recipe which runs does not read: those a script's object replaced,
+        ``model.name`` beside a factory, a shipped model's ``factory`` and ``kwargs``, a
+        shortcut optimizer's keys it does not take (``sgd``: kwargs; ``adam``: momentum
+        and kwargs; a class: momentum and weight_decay), and the rate keys a scheduler
+        overrides.
+
+        Why: the log stores the configuration, and a key stored there reads as used; a run
+        with the user's model and AdamW stored ``model.name = "lenet"`` and ``optim.name =
+        "sgd"`` (issue 37).
+        """
+        cfg, given = self.cfg, self.given
+        m, o = cfg.get("model"), cfg.get("optim")
+        out: list[tuple[str, str]] = []
+        if isinstance(m, Mapping):
+            if "model" in given:
+                out += _REPLACED["model"]
+            elif m.get("factory"):
+                out.append(("model", "name"))
+            else:
+                out += [("model", "factory"), ("model", "kwargs")]
+            if "loss" in given:
+                out += _REPLACED["loss"]
+        if isinstance(o, Mapping):
+            if "optimizer" in given:
+                out += _REPLACED["optimizer"]
+            elif o.get("name") == "sgd":
+                out.append(("optim", "kwargs"))
+            elif o.get("name") == "adam":
+                out += [("optim", "momentum"), ("optim", "kwargs")]
+            else:
+                out += [("optim", "momentum"), ("optim", "weight_decay")]
+            if "scheduler" in given:
+                out += _REPLACED["scheduler"]
+            elif o.get("scheduler"):
+                out += _REPLACED["scheduler"][2:]  # a configured one: the rate keys
+        seen: list[tuple[str, str]] = []
+        for section, key in out:
+            if key in cfg[section] and (section, key) not in seen:
+                seen.append((section, key))
+        return seen
+
+    def stored_config(self) -> dict[str, Any]:
+        """The configuration as the run log stores it: without :meth:`unused_keys` (absent,
+        not empty: an absent key was replaced or does not apply; the ``recipe`` attribute
+        says what ran)."""
+        out = {section: dict(values) if isinstance(values, Mapping) else values
+               for section, values in self.cfg.items()}
+        for section, key in self.unused_keys():
+            del out[section][key]
+        return out
+
+    def describe(self, model: nn.Module, schedule: Schedule, loss: Any, *,
+                 optimizer: Any = None, rate: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The recipe that runs, as the log's ``recipe`` attribute records it (its keys:
+        :data:`mpipipe.core.logs.logschema.RECIPE`): read from the objects themselves, whether
+        the configuration named them or a script gave them.
+
+        Call it on the log's writer right after :meth:`build_model`, before any step or
+        checkpoint: the digest is of the model as built. ``model`` is the chain built;
+        ``optimizer`` the one over the whole model where the caller holds one (Stannis),
+        else one is made over ``model``'s parameters (a pipeline stage's holds only its
+        own); ``rate`` the system's own keys of a rate without a scheduler (Stannis's
+        base_batch and warmup_steps). Never raises for the user's objects (only the
+        writer calls it, and one rank must not fail alone): what cannot be read is left
+        out, or named under ``error``.
+
+        Raises:
+            mpipipe.core.logs.logschema.SchemaError: a part or key the schema does not declare.
+        """
+        from mpipipe.core.logs.logschema import check_recipe
+
+        record = {"model": _model_part(model, self.made),
+                  "optimizer": _optimizer_part(self, model, optimizer),
+                  "schedule": schedule.describe(), "loss": _loss_part(loss, "loss" in self.given)}
+        if rate and "rule" in record["schedule"]:
+            record["schedule"].update({k: _plain(v) for k, v in rate.items()})
+        check_recipe(record)
+        return record
 
 
-_KEYS: set[str] = set()
+def _given_optimizer(fn: Callable[..., Any], module: nn.Module) -> Any:
+    """``fn(module)``; a callable written for a parameter list (it fails on the module and
+    builds an optimizer from the list) is told how to write it."""
+    try:
+        return _call(fn, "the optimizer given to train()", module)
+    except RecipeError as first:
+        try:
+            fn(list(module.parameters()))
+        except Exception:  # noqa: BLE001 - not a list-taking callable: the first error stands
+            raise first from None
+        raise RecipeError("the optimizer given to train() is called with the stage's module "
+                          "(an nn.Module, your model's names), not a list of parameters: "
+                          "write optimizer=lambda m: torch.optim.AdamW(m.parameters(), ...), "
+                          "or build param groups from m.named_parameters()") from None
 
 
-def chain_keys() -> set[str]:
-    """The state_dict names of the last model built in this process."""
-    return set(_KEYS)
-
-
-def _build(cfg: Mapping[str, Any], in_shape: Sequence[int], base: Path | None) -> nn.Sequential:
+def _view(module: nn.Module, names: Mapping[str, str]) -> nn.Module:
+    """:meth:`Recipe.user_view`: ``module``'s own modules, each at the user's path in
+    ``names`` (chain name -> the user's), under plain containers."""
     from torch import nn
 
-    from mpipipe.core.run import models
-
-    m = cfg["model"]
-    _NAMES.clear()
-    _MADE.clear()
-    if given("model") is not None:
-        model = given("model")
-        source = "object"
-        if not isinstance(model, nn.Module):
-            source = "builder"
-            model = _call(model, "the model builder given to train()")
-            if not isinstance(model, nn.Module):
-                raise RecipeError(f"the model builder given to train() returned a "
-                                  f"{type(model).__name__}, not an nn.Module")
-        _MADE.update(source=source, module=model)
-        return as_chain(model, in_shape)
-    if not m.get("factory"):
-        if m.get("kwargs"):
-            raise RecipeError(f"model.kwargs = {m['kwargs']} takes effect only with "
-                              f"model.factory; the shipped {m['name']!r} takes none")
-        try:
-            chain = models.build_model(m["name"], m["num_classes"], in_shape)
-        except ValueError as e:
-            raise RecipeError(str(e)) from None
-        _MADE.update(source="shipped", module=chain, name=m["name"])
-        return chain
-    fn = resolve(m["factory"], "model.factory", base)
-    if not callable(fn):
-        raise RecipeError(f"model.factory = {m['factory']!r} is a {type(fn).__name__}, "
-                          f"not a function that returns an nn.Module")
-    model = _call(fn, f"model.factory {m['factory']!r}", **dict(m.get("kwargs") or {}))
-    if not isinstance(model, nn.Module):
-        raise RecipeError(f"model.factory {m['factory']!r} returned a {type(model).__name__}, "
-                          f"not an nn.Module")
-    _MADE.update(source="factory", module=model, factory=m["factory"], kwargs=dict(m.get("kwargs") or {}))
-    return as_chain(model, in_shape)
+    view = nn.Module()
+    taken: set[str] = set()
+    for where, sub in module.named_modules():
+        own = [n for n, _ in sub.named_parameters(recurse=False)] + \
+            [n for n, _ in sub.named_buffers(recurse=False)]
+        if not own:
+            continue
+        paths = {names.get(f"{where}.{n}" if where else n, "").rpartition(".")[0] for n in own}
+        path = paths.pop() if len(paths) == 1 else ""
+        if not path or path in taken:
+            path = f"chain.{where}" if where else "chain"
+        taken.add(path)
+        if not list(sub.children()):
+            _attach(view, path, sub)  # the user's own module: its class, hooks and all
+            continue
+        holder = _attach(view, path, nn.Module())  # its own tensors only, not its children
+        for n, p in sub.named_parameters(recurse=False):
+            holder.register_parameter(n, p)
+        for n, b in sub.named_buffers(recurse=False):
+            holder.register_buffer(n, b)
+    return view
 
 
-def as_chain(model: nn.Module, in_shape: Sequence[int]) -> nn.Sequential:
-    """``model`` as an ``nn.Sequential`` (:func:`mpipipe.core.run.chain.sequential`), checked
-    on one zero sample of ``in_shape``.
+def _attach(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    """Put ``module`` at dotted ``path`` under ``root``, making plain containers on the way."""
+    from torch import nn
 
-    Raises:
-        RecipeError: the model cannot be cut into a chain (one line saying why).
-    """
-    import torch
-
-    from mpipipe.core.run.chain import ChainError, sequential
-
-    try:
-        chain = sequential(model, torch.zeros(2, *in_shape))
-    except ChainError as e:
-        raise RecipeError(str(e)) from None
-    # The chain's state_dict names are its own ("3.block1.conv1.weight"); the same tensors
-    # have the user's names in their model: kept, so a result can be given back in those.
-    theirs = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
-    _NAMES.update({name: theirs[id(t)] for name, t in chain.state_dict(keep_vars=True).items()
-                   if id(t) in theirs})
-    return chain
-
-
-_NAMES: dict[str, str] = {}
-
-# How the last model of this process was made (for describe): its source (object |
-# builder | factory | shipped), the nn.Module the user's code returned, before it was cut
-# into a chain (its class is the user's, its state_dict in the user's order), and the
-# configuration's name, factory and kwargs where they made it.
-_MADE: dict[str, Any] = {}
-
-
-def source_names() -> dict[str, str]:
-    """The last chain built in this process: its state_dict name -> the user's model's."""
-    return dict(_NAMES)
+    *parents, last = path.split(".")
+    node = root
+    for part in parents:
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            node.add_module(part, child)
+        node = child
+    node.add_module(last, module)
+    return module
 
 
 _SHORTCUTS = {"sgd": "SGD", "adam": "Adam"}
@@ -295,36 +502,6 @@ def _optimizer_class(name: str, base: Path | None = None) -> type:
                           f"{_suggest(cls_name, known + list(_SHORTCUTS))} (or give "
                           f"\"package.module:Class\")")
     return getattr(torch.optim, cls_name)
-
-
-def make_optimizer(cfg: Mapping[str, Any], params: Any,
-                   base: Path | None = None) -> torch.optim.Optimizer | None:
-    """This stage's optimizer over ``params``, or None for a stage without parameters.
-
-    ``sgd`` takes ``lr``, ``momentum`` and ``weight_decay``; ``adam`` ``lr`` and
-    ``weight_decay``; any other class ``lr`` and ``optim.kwargs``.
-
-    Raises:
-        RecipeError: an unknown optimizer or a keyword it does not take.
-    """
-    params = list(params)
-    if not params:
-        return None
-    if given("optimizer") is not None:
-        return _call(given("optimizer"), "the optimizer given to train()", params)
-    o = cfg["optim"]
-    cls = _optimizer_class(o["name"], base)
-    if o["name"] in _SHORTCUTS and o.get("kwargs"):
-        raise RecipeError(f"optim.kwargs = {o['kwargs']} takes effect only with a class name "
-                          f"(e.g. optim.name = \"{_SHORTCUTS[o['name']]}\"), not the "
-                          f"{o['name']!r} shortcut")
-    if o["name"] == "sgd":
-        kwargs = {"momentum": o["momentum"], "weight_decay": o["weight_decay"]}
-    elif o["name"] == "adam":
-        kwargs = {"weight_decay": o["weight_decay"]}
-    else:
-        kwargs = dict(o.get("kwargs") or {})
-    return _call(cls, f"optimizer {cls.__name__}", params, lr=o["lr"], **kwargs)
 
 
 def _scheduler_class(name: str, base: Path | None = None) -> type:
@@ -351,19 +528,19 @@ class Schedule:
     scheduler class, stepped once per optimizer step) sets whatever it moves.
     """
 
-    def __init__(self, cfg: Mapping[str, Any], total: int, base: Path | None = None) -> None:
+    def __init__(self, recipe: Recipe, total: int) -> None:
         import torch
 
-        o = cfg["optim"]
+        o, base, given = recipe.cfg["optim"], recipe.base, recipe.given
         self._optim, self._total = dict(o), int(total)
         self._values: list[list[dict[str, Any]]] = []
         self._sched: Any = None
         # A given optimizer brings its own rate: optim.lr does not replace it.
-        self._own_rate = given("optimizer") is not None
+        self._own_rate = "optimizer" in given
         self._settings: dict[str, Any] = {}
-        if given("scheduler") is not None:
-            self._opt = make_optimizer(cfg, [torch.zeros(1, requires_grad=True)], base)
-            self._sched = _call(given("scheduler"), "the scheduler given to train()", self._opt)
+        if "scheduler" in given:
+            self._opt = recipe.make_optimizer(torch.nn.Linear(1, 1, bias=False))
+            self._sched = _call(given["scheduler"], "the scheduler given to train()", self._opt)
             self._settings = _scheduler_settings(self._sched, "object")
             return
         if not o.get("scheduler"):
@@ -386,8 +563,7 @@ class Schedule:
             takes = {}
         if "total_steps" in takes and "total_steps" not in kwargs and "epochs" not in kwargs:
             kwargs["total_steps"] = max(self._total, 1)
-        dummy = torch.zeros(1, requires_grad=True)
-        opt = make_optimizer(cfg, [dummy], base)
+        opt = recipe.make_optimizer(torch.nn.Linear(1, 1, bias=False))
         self._opt = opt
         self._sched = _call(cls, f"scheduler {cls.__name__}", opt, **kwargs)
         self._settings = _scheduler_settings(self._sched, "config")
@@ -457,33 +633,6 @@ class Schedule:
         return part
 
 
-def make_loss(cfg: Mapping[str, Any], base: Path | None = None) -> Callable[..., Any]:
-    """The loss the last stage calls on (output, labels): ``cross_entropy`` or an import
-    string (a class, instantiated with ``model.loss_kwargs``, or a function given them).
-
-    Raises:
-        RecipeError: an unknown loss or a keyword it does not take.
-    """
-    from torch import nn
-
-    if given("loss") is not None:
-        return given("loss")
-    m = cfg["model"]
-    name, kwargs = m.get("loss", "cross_entropy"), dict(m.get("loss_kwargs") or {})
-    if name == "cross_entropy":
-        return _call(nn.CrossEntropyLoss, "loss cross_entropy", **kwargs)
-    if ":" not in name:
-        known = ["cross_entropy"] + [n for n in dir(nn) if n.endswith("Loss")]
-        raise RecipeError(f"model.loss = {name!r}: give \"cross_entropy\" or an import string "
-                          f"such as \"torch.nn:NLLLoss\"{_suggest(name, known)}")
-    obj = resolve(name, "model.loss", base)
-    if inspect.isclass(obj):
-        return _call(obj, f"loss {obj.__name__}", **kwargs)
-    if not callable(obj):
-        raise RecipeError(f"model.loss = {name!r} is a {type(obj).__name__}, not callable")
-    return functools.partial(obj, **kwargs) if kwargs else obj
-
-
 def checksum(module: nn.Module) -> int:
     """CRC-32 of a module's whole state (parameters and buffers, bytes in order): equal on
     every rank that built the same weights."""
@@ -493,21 +642,6 @@ def checksum(module: nn.Module) -> int:
     for t in module.state_dict().values():
         crc = zlib.crc32(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(), crc)
     return crc
-
-
-def model_name(cfg: Mapping[str, Any]) -> str:
-    """What to call the model in messages: "your model", the factory, or the shipped name."""
-    return "your model" if given("model") is not None else cfg["model"]["factory"] or cfg["model"]["name"]
-
-
-def describe_recipe(cfg: Mapping[str, Any]) -> str:
-    """One phrase naming the model, optimizer, schedule and loss (for the start-up line);
-    "yours" where a script's object replaced the configuration's name."""
-    m, o = cfg["model"], cfg["optim"]
-    optimizer = "yours" if given("optimizer") is not None else o["name"]
-    sched = "yours" if given("scheduler") is not None else o.get("scheduler") or o.get("schedule", "constant")
-    loss = "yours" if given("loss") is not None else m.get("loss", "cross_entropy")
-    return f"model {model_name(cfg)}, optimizer {optimizer}, schedule {sched}, loss {loss}"
 
 
 # ---------------------------------------------------------------- what the log records
@@ -522,86 +656,6 @@ _REPLACED: dict[str, tuple[tuple[str, str], ...]] = {
     "scheduler": (("optim", "scheduler"), ("optim", "scheduler_kwargs"), ("optim", "schedule"),
                   ("optim", "base_batch"), ("optim", "warmup_steps")),
 }
-
-
-def unused_keys(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The ``(section, key)`` pairs of ``cfg``'s ``[model]`` and ``[optim]`` that the recipe
-    which runs does not read: those a script's object replaced (:func:`give`),
-    ``model.name`` beside a factory, a shipped model's ``factory`` and ``kwargs``, a
-    shortcut optimizer's keys it does not take (``sgd``: kwargs; ``adam``: momentum and
-    kwargs; a class: momentum and weight_decay), and the rate keys a scheduler overrides.
-
-    Why: the log stores the configuration, and a key stored there reads as used; a run
-    with the user's model and AdamW stored ``model.name = "lenet"`` and ``optim.name =
-    "sgd"`` (issue 37).
-    """
-    m, o = cfg.get("model"), cfg.get("optim")
-    out: list[tuple[str, str]] = []
-    if isinstance(m, Mapping):
-        if given("model") is not None:
-            out += _REPLACED["model"]
-        elif m.get("factory"):
-            out.append(("model", "name"))
-        else:
-            out += [("model", "factory"), ("model", "kwargs")]
-        if given("loss") is not None:
-            out += _REPLACED["loss"]
-    if isinstance(o, Mapping):
-        if given("optimizer") is not None:
-            out += _REPLACED["optimizer"]
-        elif o.get("name") == "sgd":
-            out.append(("optim", "kwargs"))
-        elif o.get("name") == "adam":
-            out += [("optim", "momentum"), ("optim", "kwargs")]
-        else:
-            out += [("optim", "momentum"), ("optim", "weight_decay")]
-        if given("scheduler") is not None:
-            out += _REPLACED["scheduler"]
-        elif o.get("scheduler"):
-            out += _REPLACED["scheduler"][2:]  # a configured one: the rate keys
-    seen: list[tuple[str, str]] = []
-    for section, key in out:
-        if key in cfg[section] and (section, key) not in seen:
-            seen.append((section, key))
-    return seen
-
-
-def stored_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """``cfg`` as the run log stores it: without :func:`unused_keys` (absent, not empty:
-    an absent key was replaced or does not apply; the ``recipe`` attribute says what ran)."""
-    out = {section: dict(values) if isinstance(values, Mapping) else values
-           for section, values in cfg.items()}
-    for section, key in unused_keys(cfg):
-        del out[section][key]
-    return out
-
-
-def describe(cfg: Mapping[str, Any], model: nn.Module, schedule: Schedule, loss: Any, *,
-             optimizer: Any = None, rate: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The recipe that runs, as the log's ``recipe`` attribute records it (its keys:
-    :data:`mpipipe.core.logs.logschema.RECIPE`): read from the objects themselves, whether the
-    configuration named them or a script gave them.
-
-    Call it on the log's writer right after :func:`build_model`, before any step or
-    checkpoint: the digest is of the model as built. ``model`` is the chain built;
-    ``optimizer`` the one over the whole model where the caller holds one (Stannis),
-    else one is made over ``model``'s parameters (a pipeline stage's holds only its
-    own); ``rate`` the system's own keys of a rate without a scheduler (Stannis's
-    base_batch and warmup_steps). Never raises for the user's objects (only the writer
-    calls it, and one rank must not fail alone): what cannot be read is left out, or
-    named under ``error``.
-
-    Raises:
-        mpipipe.core.logs.logschema.SchemaError: a part or key the schema does not declare.
-    """
-    from mpipipe.core.logs.logschema import check_recipe
-
-    record = {"model": _model_part(model), "optimizer": _optimizer_part(cfg, model, optimizer),
-              "schedule": schedule.describe(), "loss": _loss_part(loss)}
-    if rate and "rule" in record["schedule"]:
-        record["schedule"].update({k: _plain(v) for k, v in rate.items()})
-    check_recipe(record)
-    return record
 
 
 def _where(obj: Any) -> tuple[str, str]:
@@ -666,23 +720,23 @@ def _scheduler_settings(sched: Any, source: str) -> dict[str, Any]:
     return part
 
 
-def _model_part(chain: nn.Module) -> dict[str, Any]:
-    """The model as :func:`build_model` made it last (``_MADE``), or ``chain`` itself."""
-    module = _MADE.get("module", chain)
+def _model_part(chain: nn.Module, made: Mapping[str, Any]) -> dict[str, Any]:
+    """The model as :meth:`Recipe.build_model` made it (``made``), or ``chain`` itself."""
+    module = made.get("module", chain)
     qual, where = _where(type(module))
-    part: dict[str, Any] = {"source": _MADE.get("source", "object"), "class": qual, "module": where}
+    part: dict[str, Any] = {"source": made.get("source", "object"), "class": qual, "module": where}
     for key in ("name", "factory", "kwargs"):
-        if key in _MADE:
-            part[key] = _plain(_MADE[key])
+        if key in made:
+            part[key] = _plain(made[key])
     part["parameters"] = int(sum(p.numel() for p in module.parameters()))
     part["digest"] = f"crc32:{checksum(module):08x}"
     return part
 
 
-def _optimizer_part(cfg: Mapping[str, Any], model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    part: dict[str, Any] = {"source": "object" if given("optimizer") is not None else "config"}
+def _optimizer_part(recipe: Recipe, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    part: dict[str, Any] = {"source": "object" if "optimizer" in recipe.given else "config"}
     try:
-        opt = optimizer if optimizer is not None else make_optimizer(cfg, model.parameters())
+        opt = optimizer if optimizer is not None else recipe.make_optimizer(model)
     except Exception as e:  # noqa: BLE001 - the stages build theirs and say what is wrong
         part["error"] = f"{type(e).__name__}: {e}"
         return part
@@ -695,12 +749,12 @@ def _optimizer_part(cfg: Mapping[str, Any], model: nn.Module, optimizer: Any) ->
     return part
 
 
-def _loss_part(loss: Any) -> dict[str, Any]:
+def _loss_part(loss: Any, given: bool) -> dict[str, Any]:
     """A loss module (its class and settings), a function, or a ``functools.partial`` of one
-    (its function and keywords)."""
+    (its function and keywords); ``given``: a script's object."""
     from torch import nn
 
-    part: dict[str, Any] = {"source": "object" if given("loss") is not None else "config"}
+    part: dict[str, Any] = {"source": "object" if given else "config"}
     target, arguments = loss, None
     if isinstance(loss, functools.partial):
         target, arguments = loss.func, {k: _plain(v) for k, v in loss.keywords.items()}
