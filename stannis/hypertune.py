@@ -433,7 +433,8 @@ def noise_z(noise_retunes_per_100: float, every: int, ranks: int) -> float:
     ``a = noise_retunes_per_100 * every / 100``; any of ``ranks`` estimates can
     raise it, so each gets ``a / ranks`` (Bonferroni) and the bar is the normal
     quantile ``Phi^-1(1 - a / ranks)``. Default figures (1 per 100 steps, every 5,
-    5 ranks): a = 0.05, 0.01 per rank, z = 2.33. 0 per 100 steps: no bar from noise.
+    5 ranks): a = 0.05, 0.01 per rank, z = 2.33. 0 per 100 steps: an infinite bar
+    (never a re-tune on a gain that noise could explain).
     """
     if noise_retunes_per_100 <= 0:
         return math.inf

@@ -10,8 +10,8 @@ from mpipipe.pipeline.partition import StageChunks, split, stage_modules
 from mpipipe.respipe import costmodel
 
 
-def _SGD(params):  # noqa: N802 - the optimizer each stage builds
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+def _SGD(module):  # noqa: N802 - the optimizer each stage builds, from its module
+    return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9) if list(module.parameters()) else None
 
 
 def _lenet():
