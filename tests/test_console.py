@@ -100,6 +100,7 @@ def test_a_lost_backup_is_named_as_the_backup_of_its_stage() -> None:
         "step 7: rank 1 (stage 1) failed, detected after 0.250 s (ulfm)"
 
 
+@pytest.mark.long  # make test-long: console lines
 @pytest.mark.timeout(300)
 def test_plain_run_console_and_one_throughput(digits: Path, tmp_path: Path) -> None:
     """Start-up line, plain lines into a pipe, balance_by=time the same on every rank and in

@@ -145,7 +145,8 @@ def _equals_reference(digits: Path, result, log: Path, ckpt: Path, first: int = 
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("schedule,ranks", [("gpipe", 3), ("1f1b", 3), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("schedule,ranks", [("gpipe", 3), pytest.param("1f1b", 3, marks=pytest.mark.long),
+                                            ("interleaved-1f1b", 2)])
 def test_the_pipeline_trains_your_model_as_one_process_would(runs, digits, schedule, ranks):
     result, log, ckpt = runs(f"plain-{schedule}", ranks, f'pipeline.schedule="{schedule}"',
                              f"pipeline.stages={ranks}", "resilience.backups={}")
@@ -201,6 +202,7 @@ def test_a_resumed_run_continues_as_if_never_stopped(runs, digits):
     _equals_reference(digits, result, log, ckpt, first=7, step_lr=True)
 
 
+@pytest.mark.long  # make test-long: a variant of the checks in make test
 @pytest.mark.timeout(300)
 def test_a_factory_that_is_not_deterministic_is_one_line(runs, tmp_path):
     factory = tmp_path / "random_net.py"

@@ -43,6 +43,10 @@ def test_lenet_on_digits_in_three_stages_reaches_95_percent(digits, tmp_path):
         assert (run.ranks[rank]["bytes_sent"] > 0).all()
 
 
+# make test runs three (a world, a key, a plan); make test-long the rest
+_LONG = {"choose one of gpipe, 1f1b, interleaved-1f1b", "smaller than pipeline.chunks", "covers 2 layers",
+         "stage 2 has no rank", "data set /nonexistent/digits does not exist", "needs v >= 2 chunks per rank",
+         "multiple of the 2 ranks", "one chunk per rank"}
 BAD = [
     # (ranks, extra arguments or config text, words the one error line must contain)
     (2, [], "needs 3 ranks"),
@@ -65,7 +69,8 @@ BAD = [
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("ranks,extra,words", BAD, ids=[b[2] for b in BAD])
+@pytest.mark.parametrize("ranks,extra,words", [
+    pytest.param(*b, marks=pytest.mark.long) if b[2] in _LONG else b for b in BAD], ids=[b[2] for b in BAD])
 def test_bad_plan_or_config_stops_every_rank_with_one_line(digits, tmp_path, ranks, extra,
                                                           words):
     args = _data(digits)

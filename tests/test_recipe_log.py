@@ -238,6 +238,7 @@ def test_a_toml_run_with_a_factory_stores_no_model_name(digits, tmp_path):
     assert "model.factory = 'tests/models/own.py:own_net'" in text and "lenet" not in text
 
 
+@pytest.mark.long  # make test-long: the same record from Stannis
 @pytest.mark.timeout(300)
 def test_stannis_records_the_shipped_model_by_name(stannis_split, tmp_path):
     log = tmp_path / "stannis.h5"

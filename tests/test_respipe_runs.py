@@ -183,6 +183,7 @@ def test_kill_with_backup_runs_to_the_end_and_equals_the_failure_free_run(runs):
             assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
 
 
+@pytest.mark.long  # make test-long: a variant of a fast test
 @pytest.mark.timeout(600)
 def test_interleaved_under_cold_respipe_equals_plain_and_survives_a_kill(runs):
     # A stage is a rank and all its chunks: its replica carries chunks k and k + 3, and
@@ -218,6 +219,7 @@ def test_hot_and_neighbour_modes_refuse_interleaved_in_one_line(runs):
             result.stderr[-2000:]
 
 
+@pytest.mark.long  # make test-long: hot mode's stall case detects by deadline in make test
 @pytest.mark.timeout(600)
 def test_stall_is_detected_by_deadline_and_the_woken_rank_is_harmless(runs):
     clean, _, clean_ckpt = runs("cold-r1", 4, ONE_BACKUP, "resilience.replicate_every=1")
@@ -351,6 +353,7 @@ def test_the_log_moves_to_a_survivor_when_its_writer_is_killed_or_replaced(runs,
             assert (got[key] - want[key]).abs().max().item() <= 1e-5, key
 
 
+@pytest.mark.long  # make test-long: a variant of a fast test
 @pytest.mark.timeout(300)
 def test_a_backup_below_the_stages_does_not_become_the_writer(runs):
     # The backup of stage 0 is rank 1: it is promoted in the same round that loses the

@@ -148,6 +148,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.long  # make test-long: the audit's own check (make test has the audit)
 @pytest.mark.timeout(300)
 def test_a_send_past_the_audited_communicator_is_caught_by_mpis_own_count(
         data: Path, tmp_path: Path) -> None:
