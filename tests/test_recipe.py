@@ -203,3 +203,74 @@ def test_two_recipes_share_nothing():
     b.build_model((1, 8, 8))
     assert a.names and not b.names and a.model_name() == "your model" and b.model_name() == "lenet"
     assert set(a.names) == set(chain_a.state_dict())
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(1, 1, 3, padding=1)
+        self.b = nn.Conv2d(1, 1, 3, padding=1)
+        self.scale = nn.Parameter(torch.ones(1))  # its own tensor beside children
+
+    def forward(self, x):
+        return self.b(self.a(x)) * self.scale
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.zeros(1))  # a top-level tensor of the model
+        self.block = _Scaled()
+        self.emb = nn.Linear(64, 64, bias=False)
+        self.head = nn.Linear(64, 64, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.out(self.head(self.emb((self.block(x) + self.cls).flatten(1))))
+
+
+def test_every_tensor_of_every_cut_is_in_the_view_and_tied_weights_keep_both_names():
+    # Review of issue 34: a module with its own tensor and children, cut inside, lost its
+    # children from the view (the optimizer never updated them); a tied weight lost one
+    # of its names in the state given back.
+    from mpipipe.pipeline.partition import split
+
+    seen: list[list[str]] = []
+
+    def sgd(m: nn.Module) -> torch.optim.Optimizer:
+        seen.append([n for n, _ in m.named_parameters()])
+        return torch.optim.SGD(m.parameters(), lr=0.1)
+
+    made = recipe.Recipe(_cfg(), model=_Tied(), optimizer=sgd)
+    chain = made.build_model((1, 8, 8))
+    assert set(made.names.values()) == set(_Tied().state_dict())  # emb.weight and head.weight
+    made.make_optimizer(chain)
+    assert sorted(seen[-1]) == sorted(n for n, _ in _Tied().named_parameters())  # the user's names
+    for cut in range(1, len(chain)):
+        for stage in split(chain, [cut, len(chain) - cut]):
+            opt = made.make_optimizer(stage)
+            held = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else set()
+            assert held == {id(p) for p in stage.parameters()}, (cut, seen[-1])
+
+
+def test_a_scheduler_moves_only_what_it_moves_in_every_group():
+    # Each group keeps its own momentum under StepLR (which moves the rate only); under
+    # OneCycleLR, which cycles momentum, every group follows it.
+    def two_groups(m: nn.Module) -> torch.optim.Optimizer:
+        first, second = list(m.parameters())[:1], list(m.parameters())[1:]
+        return torch.optim.SGD([{"params": first, "momentum": 0.9},
+                                {"params": second, "momentum": 0.5}], lr=0.1)
+
+    step = recipe.Recipe(_cfg(optim={"scheduler": "StepLR", "scheduler_kwargs": {"step_size": 2}}),
+                         optimizer=two_groups)
+    opt = step.make_optimizer(nn.Linear(2, 2))
+    schedule = step.schedule(6)
+    schedule.apply(opt, 3)
+    assert [g["momentum"] for g in opt.param_groups] == [0.9, 0.5]
+    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.1 * 0.1)] * 2
+    cycle = recipe.Recipe(_cfg(optim={"scheduler": "OneCycleLR", "scheduler_kwargs": {"max_lr": 0.2}}),
+                          optimizer=two_groups)
+    opt = cycle.make_optimizer(nn.Linear(2, 2))
+    cycle.schedule(6).apply(opt, 0)
+    assert opt.param_groups[0]["momentum"] == opt.param_groups[1]["momentum"] != 0.5

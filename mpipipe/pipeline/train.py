@@ -209,8 +209,13 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
                     in_shape=in_shape, deadline=cfg["resilience"]["deadline_s"] or None,
                     seed=cfg["run"]["seed"])
     check_same_weights(run, pipe)
-    optimizer = (run.recipe.make_optimizer(pipe.stage_module)  # checked above: cannot fail
-                 if pipe.stage_module is not None else None)
+    optimizer, error = None, None
+    if pipe.stage_module is not None:
+        try:  # a given optimizer may work on the whole model and fail on one stage
+            optimizer = run.recipe.make_optimizer(pipe.stage_module)
+        except recipe.RecipeError as e:
+            error = f"stage {my_stage}: {e}"
+    agree(run, error)  # every rank stops with that line, none waits for this one
     setup_ = Setup(run, model, pipe, optimizer, loss_fn, in_shape, total, schedule,
                    eval_batches=eval_batches)
     if pipe.first:
@@ -439,4 +444,7 @@ def train(run: Run) -> int:
     if run.rank == 0:
         progress.summary(**summary)  # printed under --quiet too
     # A log that lacks rows it should hold ends as "incomplete: ...", and so does the run.
-    return 0 if log.close("completed") == "completed" else 1
+    status = 0 if log.close("completed") == "completed" else 1
+    if run.request.api:  # a script's ranks learn the writer's verdict alike
+        status = comm.bcast(status, root=run.plan.log_rank)
+    return status

@@ -198,6 +198,11 @@ def train(run: Any) -> int:
         run.result.update(summary)
         progress.summary(**summary)  # printed under --quiet too
         code = 0 if _close_log(run, "completed") else 1
+    if run.request.api:  # a script's ranks learn the writer's verdict alike
+        try:
+            code = rp.data.bcast(code, root=rp.members.index(rp.log_w))
+        except Exception:  # noqa: BLE001 - MPI's error under ULFM: a member died at the end
+            pass
     if result["takeovers"] or result["generation"]:
         # A replaced rank leaves without MPI_Finalize (see Demoted above), and a killed
         # one never reaches it; the world-wide agreement inside Finalize was seen to wait

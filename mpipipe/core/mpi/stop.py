@@ -74,10 +74,23 @@ def install(hosts: tuple[str, ...] | list[str] = ()) -> None:
     others wait for it until a deadline, the log says ``running`` and nothing
     since the last checkpoint is kept. Only the main thread may install handlers.
     """
-    global _hosts
+    global _hosts, _previous
     _hosts = tuple(hosts)  # for resume_command: one host with more ranks than cores?
     for s in STOP_SIGNALS:
-        signal.signal(s, _handler)
+        _previous.setdefault(s, signal.signal(s, _handler))
+
+
+_previous: dict[int, Any] = {}  # the handlers before install: uninstall puts them back
+
+
+def uninstall() -> None:
+    """The handlers as they were before :func:`install`, and no stop request pending: a
+    script that called ``mpipipe.train`` goes on with its own Ctrl-C."""
+    global _requested
+    for s, handler in _previous.items():
+        signal.signal(s, handler)
+    _previous.clear()
+    _requested = None
 
 
 def requested() -> str | None:

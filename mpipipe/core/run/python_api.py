@@ -61,7 +61,13 @@ def train_with(run_training: Callable[[Request], Run | None], request: Request, 
     Raises:
         TrainingFailed: the run did not start (its one line) or did not complete.
     """
-    run = run_training(request)
+    from mpipipe.core.mpi import stop, watchdog
+
+    try:
+        run = run_training(request)
+    finally:  # the script goes on: no watchdog, and its own Ctrl-C
+        watchdog.uninstall()
+        stop.uninstall()
     log = Path(request.log) if request.log is not None else None
     if run is None:  # a spare rank: it idled while the stages trained
         from mpi4py import MPI
@@ -73,8 +79,7 @@ def train_with(run_training: Callable[[Request], Run | None], request: Request, 
     result = Result(rank=run.rank, log=log, metrics=dict(run.result))
     if run.final_state is not None:
         names = run.recipe.names
-        result.state_dict = {names.get(k, k): v for k, v in run.final_state.items()} \
-            if set(run.final_state) <= set(names) else dict(run.final_state)
+        result.state_dict = {names.get(k, k): v for k, v in run.final_state.items()}
     return result
 
 

@@ -252,9 +252,15 @@ class Recipe:
         # The chain's state_dict names are its own ("3.block1.conv1.weight"); the same
         # tensors have the user's names in their model: kept, so a result can be given
         # back in those, and an optimizer given param groups by them.
-        theirs = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
-        self.names.update({name: theirs[id(t)] for name, t in chain.state_dict(keep_vars=True).items()
-                           if id(t) in theirs})
+        # A tensor the model shares (tied weights) has several names in both: each of the
+        # chain's takes the next of the user's, so none is lost.
+        theirs: dict[int, list[str]] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            theirs.setdefault(id(t), []).append(name)
+        for name, t in chain.state_dict(keep_vars=True).items():
+            left = theirs.get(id(t))
+            if left:
+                self.names[name] = left.pop(0) if len(left) > 1 else left[0]
         return chain
 
     def model_name(self) -> str:
@@ -444,46 +450,87 @@ def _given_optimizer(fn: Callable[..., Any], module: nn.Module) -> Any:
 
 def _view(module: nn.Module, names: Mapping[str, str]) -> nn.Module:
     """:meth:`Recipe.user_view`: ``module``'s own modules, each at the user's path in
-    ``names`` (chain name -> the user's), under plain containers."""
+    ``names`` (chain name -> the user's), under plain containers that this view makes.
+
+    Never a copy and never a change to a user's module: a tensor whose module cannot sit
+    at the user's path (the path is taken, or is a user's module already placed) goes
+    under ``chain.`` with the chain's name, and every tensor of ``module`` is in the view.
+    """
     from torch import nn
 
     view = nn.Module()
-    taken: set[str] = set()
+    ours = {id(view)}  # the plain containers this view made: only these get tensors added
     for where, sub in module.named_modules():
-        own = [n for n, _ in sub.named_parameters(recurse=False)] + \
-            [n for n, _ in sub.named_buffers(recurse=False)]
+        own = [(n, t) for n, t in sub.named_parameters(recurse=False)] + \
+            [(n, t) for n, t in sub.named_buffers(recurse=False)]
         if not own:
             continue
-        paths = {names.get(f"{where}.{n}" if where else n, "").rpartition(".")[0] for n in own}
-        path = paths.pop() if len(paths) == 1 else ""
-        if not path or path in taken:
-            path = f"chain.{where}" if where else "chain"
-        taken.add(path)
-        if not list(sub.children()):
-            _attach(view, path, sub)  # the user's own module: its class, hooks and all
+        theirs = [names.get(f"{where}.{n}" if where else n) for n, _ in own]
+        paths = {t.rpartition(".")[0] if t else None for t in theirs}
+        path = paths.pop() if len(paths) == 1 else None
+        if path and not list(sub.children()) and _free(view, path, ours):
+            _attach(view, path, sub, ours)  # the user's own module: its class, hooks and all
             continue
-        holder = _attach(view, path, nn.Module())  # its own tensors only, not its children
-        for n, p in sub.named_parameters(recurse=False):
-            holder.register_parameter(n, p)
-        for n, b in sub.named_buffers(recurse=False):
-            holder.register_buffer(n, b)
+        # A module with children, a top-level tensor of the user's model, or a place taken:
+        # its own tensors, one by one, under the user's name where it is free.
+        for (n, t), user in zip(own, theirs, strict=True):
+            chain_name = f"chain.{where}.{n}" if where else f"chain.{n}"
+            for place in (user, chain_name, chain_name.replace(".", "_")):
+                if not place:
+                    continue
+                where_to, _, leaf = place.rpartition(".")
+                holder = _container(view, where_to, ours)
+                if holder is not None and leaf not in holder._parameters \
+                        and leaf not in holder._buffers and leaf not in holder._modules:
+                    break
+            assert holder is not None
+            if isinstance(t, nn.Parameter):
+                holder.register_parameter(leaf, t)
+            else:
+                holder.register_buffer(leaf, t)
     return view
 
 
-def _attach(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
-    """Put ``module`` at dotted ``path`` under ``root``, making plain containers on the way."""
+def _free(root: nn.Module, path: str, ours: set[int]) -> bool:
+    """Whether dotted ``path`` under ``root`` is empty and reached through this view's own
+    containers only."""
+    node = root
+    for part in path.split("."):
+        if id(node) not in ours or part in node._parameters or part in node._buffers:
+            return False
+        child = node._modules.get(part)
+        if child is None:
+            return True
+        node = child
+    return False
+
+
+def _container(root: nn.Module, path: str, ours: set[int]) -> nn.Module | None:
+    """The plain container at dotted ``path`` (made on the way), or None where a user's
+    module or a tensor is in the way."""
     from torch import nn
 
-    *parents, last = path.split(".")
     node = root
-    for part in parents:
+    for part in path.split(".") if path else []:
+        if part in node._parameters or part in node._buffers:
+            return None
         child = node._modules.get(part)
         if child is None:
             child = nn.Module()
+            ours.add(id(child))
             node.add_module(part, child)
+        elif id(child) not in ours:
+            return None
         node = child
-    node.add_module(last, module)
-    return module
+    return node
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module, ours: set[int]) -> None:
+    """Put ``module`` at dotted ``path`` (free: :func:`_free`) under ``root``."""
+    parent, _, last = path.rpartition(".")
+    holder = _container(root, parent, ours)
+    assert holder is not None and last not in holder._modules
+    holder.add_module(last, module)
 
 
 _SHORTCUTS = {"sgd": "SGD", "adam": "Adam"}
@@ -538,6 +585,7 @@ class Schedule:
         # A given optimizer brings its own rate: optim.lr does not replace it.
         self._own_rate = "optimizer" in given
         self._settings: dict[str, Any] = {}
+        self._moved_keys: set[str] | None = None
         if "scheduler" in given:
             self._opt = recipe.make_optimizer(torch.nn.Linear(1, 1, bias=False))
             self._sched = _call(given["scheduler"], "the scheduler given to train()", self._opt)
@@ -598,9 +646,19 @@ class Schedule:
             factor = decay(step, self._total, self._optim.get("schedule", "constant"))
             self.set_rates(optimizer, lambda base: base * factor)
             return
-        values = self.values(step)[0]  # one group is scheduled (a stage's optimizer has one)
+        values = self.values(step)[0]  # one group is scheduled: each group follows it
+        moved = {k: v for k, v in values.items() if k in self._moved()}
         for group in optimizer.param_groups:
-            group.update(values)
+            group.update(moved)
+
+    def _moved(self) -> set[str]:
+        """What the scheduler changes over the run: the rate, and ``momentum`` or ``betas``
+        only where it moves them (OneCycleLR); a group's own momentum or betas stay its own."""
+        if self._moved_keys is None:
+            self.values(max(self._total - 1, 0))  # every step's values, computed once
+            self._moved_keys = {"lr"} | {k for k in _MOVED[1:]
+                                          if len({repr(v[0].get(k)) for v in self._values}) > 1}
+        return self._moved_keys
 
     def base_rate(self, group: dict[str, Any]) -> float:
         """The rate a group's schedule starts from: ``optim.lr``, or, for an optimizer a
