@@ -107,6 +107,11 @@ BYTE_RUNS = [
 ]
 
 
+def _name(run: object) -> str:
+    """A BYTE_RUNS entry's name, whether a tuple or a pytest.param of one."""
+    return run.values[0] if hasattr(run, "values") else run[0]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name, ranks, settings", BYTE_RUNS)
 def test_bytes_of_every_step_equal_the_cost_model_exactly(runs, name, ranks, settings):
@@ -128,7 +133,7 @@ def test_bytes_of_every_step_equal_the_cost_model_exactly(runs, name, ranks, set
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, ranks, settings", [r for r in BYTE_RUNS if r[0] not in PLAIN])
+@pytest.mark.parametrize("name, ranks, settings", [r for r in BYTE_RUNS if _name(r) not in PLAIN])
 def test_control_traffic_left_out_of_the_byte_counts_is_small(runs, name, ranks, settings):
     # ResPipe's control plane (per-step figures to the log writer, end-of-run notes) is
     # counted by each rank as ctrl_bytes_sent: one 9-float64 figure row per step from
@@ -145,8 +150,8 @@ def test_control_traffic_left_out_of_the_byte_counts_is_small(runs, name, ranks,
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name, ranks, settings", [r for r in BYTE_RUNS
-                                                   if r[0] in ("cold-r1", "hot-r1", "hot-r10",
-                                                               "neighbour-clean")])
+                                                   if _name(r) in ("cold-r1", "hot-r1", "hot-r10",
+                                                                   "neighbour-clean")])
 def test_failure_free_respipe_ends_with_the_plain_pipelines_parameters(runs, name, ranks,
                                                                        settings):
     # The reference is the plain pipeline (mpipipe/train_command.py's loop, no ResPipe at all),
