@@ -80,7 +80,12 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop watching, and wait for the thread to end: a thread woken here but run only
+        during the interpreter's exit (a script returning from ``mpipipe.train`` on a busy
+        host) was seen to run a weakref callback into torch there, and abort the process."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
 
     def limit(self) -> float:
         """W: the configured seconds, or the larger of MIN_S and STEPS median steps (and
