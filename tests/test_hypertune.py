@@ -519,15 +519,21 @@ def _drive(tuner: Retuner, profiles: list[RankProfile], batches: list[int], time
     return moves
 
 
-def test_a_move_that_passes_the_bar_once_waits_for_the_next_check() -> None:
-    # Host and one CSD in balance, no noise; then the host is 20% slower. One check
-    # that sees it is not enough (a burst of load passes once); the next one is.
+def _in_balance() -> tuple[Retuner, list[RankProfile], list[int]]:
+    """A host and one CSD in balance for 20 steps, without noise: no re-tune yet."""
     models = [StepModel(0.0, 0.001), StepModel(0.0, 0.008)]
     profiles = [RankProfile(m, 10_000) for m in models]
     batches = [800, 100]
     tuner = Retuner(RetuneRule())
     tuner.restart([0, 1])
     assert _drive(tuner, profiles, batches, [0.8, 0.8], range(1, 21)) == []
+    return tuner, profiles, batches
+
+
+def test_a_move_that_passes_the_bar_once_waits_for_the_next_check() -> None:
+    # Host and one CSD in balance, no noise; then the host is 20% slower. One check
+    # that sees it is not enough (a burst of load passes once); the next one is.
+    tuner, profiles, batches = _in_balance()
     burst = _drive(tuner, profiles, batches, [0.96, 0.8], range(21, 26))  # 5 slow steps
     assert burst == [] and tuner.pending is not None and tuner.pending[0] == 25
     assert _drive(tuner, profiles, batches, [0.8, 0.8], range(26, 51)) == []  # it passed
@@ -536,12 +542,7 @@ def test_a_move_that_passes_the_bar_once_waits_for_the_next_check() -> None:
 
 
 def test_a_sudden_change_is_followed_at_once() -> None:
-    models = [StepModel(0.0, 0.001), StepModel(0.0, 0.008)]
-    profiles = [RankProfile(m, 10_000) for m in models]
-    batches = [800, 100]
-    tuner = Retuner(RetuneRule())
-    tuner.restart([0, 1])
-    assert _drive(tuner, profiles, batches, [0.8, 0.8], range(1, 21)) == []
+    tuner, profiles, batches = _in_balance()
     moves = _drive(tuner, profiles, batches, [0.8, 1.6], range(21, 26))  # the CSD slows 2x
     assert moves == [(25, moves[0][1])] and moves[0][1][1] < 60
 
