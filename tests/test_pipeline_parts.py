@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mpipipe.core.mpi.transport import make_tag, split_tag
 from mpipipe.core.run.models import build_model
 from mpipipe.core.state import checkpoint
+from mpipipe.core.state.stagestate import StageState
 from mpipipe.pipeline.config import PIPELINE_CHOICES
 from mpipipe.pipeline.partition import balance_by_params, balance_by_time, balance_costs, split
 from mpipipe.pipeline.schedule import (
@@ -204,8 +205,8 @@ def test_checkpoint_round_trip_and_refusals(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 1, 8, 8)).sum().backward()
     opt.step()
-    checkpoint.save_stage(tmp_path, step=7, stage=1, balance=[6, 6], module=model,
-                          optimizer=opt, sampler=(2, 64))
+    StageState(model, lambda m: None, optimizer=opt, step=7).save(
+        tmp_path, stage=1, balance=[6, 6], sampler=(2, 64))
     state = checkpoint.load_stage(tmp_path, 1)
     assert (state.step, state.balance, state.sampler) == (7, [6, 6], (2, 64))
     assert all(torch.equal(state.params[k], v) for k, v in model.state_dict().items())

@@ -334,7 +334,7 @@ def save_checkpoint(s: Setup, step: int, position: tuple[int, int] | None = None
     the reader's position now, which is that one unless a batch was read since (as when
     a stop is agreed on after the next batch was read: it must be read again on resume).
     """
-    from mpipipe.core.state import checkpoint
+    from mpipipe.core.state.stagestate import StageState
 
     pipe = s.pipe
     if s.checkpoint_dir is None or pipe.stage_module is None:
@@ -342,9 +342,9 @@ def save_checkpoint(s: Setup, step: int, position: tuple[int, int] | None = None
         return
     if position is None:
         position = s.train_data.position if s.train_data is not None else (-1, -1)
-    checkpoint.save_stage(s.checkpoint_dir, step=step, stage=pipe.stage, balance=pipe.balance,
-                          module=pipe.stage_module, optimizer=s.optimizer, sampler=position,
-                          eval_count=pipe.eval_count)
+    StageState(pipe.stage_module, s.run.recipe.make_optimizer, optimizer=s.optimizer, step=step).save(
+        s.checkpoint_dir, stage=pipe.stage, balance=pipe.balance, sampler=position,
+        eval_count=pipe.eval_count)
     s.run.comm.Barrier()  # the checkpoint exists only once every stage has written
     s.run.log.event(EventKind.CHECKPOINT, step=step, directory=str(s.checkpoint_dir))
 

@@ -135,7 +135,7 @@ def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int],
     import torch
     from torch import nn
 
-    from mpipipe.core.state.statecodec import layout_of
+    from mpipipe.core.state.stagestate import StageState
     from mpipipe.pipeline.partition import StageChunks
 
     parts = list(partitions)
@@ -159,7 +159,7 @@ def stage_shapes(partitions: Sequence[Any], in_shape: Sequence[int],
     out = []
     for s in range(k):
         module = nn.ModuleList(parts[s::k])
-        lay = layout_of(module, make_optimizer(module))
+        lay = StageState(module, make_optimizer).layout
         mine = tuple(acts[s::k])
         out.append(StageShape(sum(mine), lay.param_bytes, lay.nbytes - lay.param_bytes,
                               mine if len(mine) > 1 else ()))

@@ -13,7 +13,7 @@ import time
 import torch
 
 from mpipipe.core.mpi.transport import CTRL, SHADOW
-from mpipipe.core.state.statecodec import pack_state, unpack_state
+from mpipipe.core.state.stagestate import StageState
 from mpipipe.respipe.membership import _DEBUG
 from mpipipe.respipe.mirror import Have
 from mpipipe.respipe.replicas import _Slot
@@ -32,9 +32,9 @@ class HotMirror:
         """
         pipe, t = self.pipe, self.pipe.transport
         s = self.done
-        module = self._module(k)
         self._start_mirror(k)
-        assert self.optimizer is not None
+        own = self.own
+        assert own is not None
         st = pipe.inflight
         if st is None or st.step != s or st.stage != k:
             # Wait (briefly, so END and announcements are seen) for the step's first
@@ -42,38 +42,36 @@ class HotMirror:
             if not self._probe(stage_w, t.tag(SHADOW, s, 0)):
                 time.sleep(0.0005)
                 return
-            self._mirror_snap = _Slot(pack_state(module, self.optimizer), s)
+            self._mirror_snap = _Slot(own.pack(), s)
         pipe.deadline = self._deadline()
         pipe.boundary_shapes(self.in_shape)
         t.reset_counters()
         y = self.batch_of(s)[1] if k == pipe.k - 1 else None
         loss = pipe.step(None, y, self.loss_fn, step=s, mirror=(k, self._drank(stage_w)))
-        self.schedule.apply(self.optimizer, s)
-        self.optimizer.step()
+        own.apply_step(self.schedule, s)
         snap = self._mirror_snap
         self.snapshot = snap
         self.done = s + 1
-        self.slots = [snap, _Slot(pack_state(module, self.optimizer), self.done)]
+        self.slots = [snap, _Slot(own.pack(), self.done)]
         # Kept in case this mirror takes over before the stage's figures reach the log.
         self._keep_figs(self._step_figs(s, loss))
         if self.done % self.settings.replicate_every == 0:
             # The periodic replica guards the mirror against drift; it replaces the state.
             self._after_step = True
             self._take_replica(stage_w, k, self.done, t)
-            unpack_state(self.slots[-1].flat, module, self.optimizer, self.done)
+            own.unpack(self.slots[-1].flat, self.done)
             self._after_step = False
 
     def _start_mirror(self, k: int) -> None:
         """A new mirror of stage k starts from the replica it holds (of step 0, or of a
         resumed run's checkpoint), optimizer state included."""
-        if self.optimizer is not None and self._mirror_of == k:
+        if self.own is not None and self._mirror_of == k:
             return
-        self.optimizer = self.make_optimizer(self._module(k))
+        self.own = StageState(self._module(k), self.make_optimizer, step=self.done)
         self._mirror_of = k
         self.pipe.abandon()
         if self.slots:
-            unpack_state(self.slots[-1].flat, self._module(k), self.optimizer,
-                         self.slots[-1].count)
+            self.own.unpack(self.slots[-1].flat, self.slots[-1].count, step=self.done)
 
     def _promote_mirror(self, k: int) -> None:
         """This hot mirror now serves stage k from where it stands, its step in flight too."""

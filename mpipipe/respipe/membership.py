@@ -13,6 +13,7 @@ import statistics
 from torch import nn
 
 from mpipipe.core.mpi import ft
+from mpipipe.core.state.stagestate import StageState
 from mpipipe.pipeline.engine import Route
 from mpipipe.respipe.control import _DEMOTED
 from mpipipe.respipe.decide import stage_holders
@@ -74,9 +75,6 @@ class Membership:
         if _DEBUG:
             print(f"mpipipe: rank {self.wrank}: {text}", file=self.out, flush=True)
 
-    def _params(self, stage: int) -> list[nn.Parameter]:
-        return list(self.pipe.partitions[stage].parameters())
-
     def _module(self, stage: int) -> nn.Module:
         """Stage ``stage``'s module: its state (parameters and buffers) is a replica's."""
         return self.pipe.partitions[stage]
@@ -101,8 +99,8 @@ class Membership:
         # Bits of one int64 say which micro-batches a rank holds (Have).
         self.pipe.resumable = hot and self.pipe.chunks <= 62
         self.wards = self._wards_of(self.wrank) if self.stage is not None else []
-        if self.stage is not None and self.optimizer is None:
-            self.optimizer = self.make_optimizer(self._module(self.stage))
+        if self.stage is not None and self.own is None:
+            self.own = StageState(self._module(self.stage), self.make_optimizer, step=self.done)
 
     def _launch_stage(self, w: int) -> int | None:
         role = self.plan.role_of(w)

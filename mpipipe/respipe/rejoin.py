@@ -119,7 +119,7 @@ class Rejoin:
         self.route_w = list(d.route)
         self.backups_w = {j: list(bs) for j, bs in d.backups.items()}
         self.stage, self.shadowing = None, k
-        self.optimizer, self.snapshot, self.slots = None, None, []
+        self.own, self.snapshot, self.slots = None, None, []
         self.prev_snapshot = None
         self.done = P
         self._faults_at = max(self._faults_at, P - 1)  # none due while it was away fires late

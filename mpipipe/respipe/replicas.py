@@ -14,7 +14,7 @@ import torch
 
 from mpipipe.core.mpi import ft, stop, watchdog
 from mpipipe.core.mpi.transport import REPLICA, PeerFailed
-from mpipipe.core.state.statecodec import pack_state, state_nbytes, unpack_state
+from mpipipe.core.state.stagestate import StageState
 from mpipipe.pipeline.engine import Route
 from mpipipe.respipe.control import _END
 from mpipipe.respipe.messages import Decision
@@ -53,19 +53,20 @@ class Replicas:
             x = torch.zeros((2, *shape), dtype=dtype, requires_grad=dtype.is_floating_point)
             out = part(x)
             out.float().sum().backward()
-            opt = self.make_optimizer(part)
-            opt.step()
+            opt = StageState(part, self.make_optimizer).optimizer
+            if opt is not None:
+                opt.step()
 
     def _replicate(self) -> None:
         """Send this stage's replica to its holders every R steps (and take the ward's)."""
-        assert self.stage is not None and self.optimizer is not None
+        assert self.stage is not None and self.own is not None
         R = self.settings.replicate_every
         if self.done % R:
             return
         t = self.pipe.transport
         holders = self._holders_of(self.stage)
         if holders:
-            flat = pack_state(self._module(self.stage), self.optimizer)
+            flat = self.own.pack()
             for h in holders:
                 t.send(flat, self._drank(h), kind=REPLICA, step=self.done)
         for ward in self.wards:
@@ -78,8 +79,9 @@ class Replicas:
         module = self._module(stage)
         sizes = self._replica_sizes
         if id(module) not in sizes:
-            opt = self.optimizer if stage == self.stage else self.make_optimizer(self._module(stage))
-            sizes[id(module)] = (module, state_nbytes(module, opt))  # the module kept: ids stay unique
+            state = self.own if stage == self.stage and self.own is not None \
+                else StageState(module, self.make_optimizer)
+            sizes[id(module)] = (module, state.nbytes)  # the module kept: ids stay unique
         return torch.empty(sizes[id(module)][1], dtype=torch.uint8)
 
     def _take_replica(self, source_w: int, stage: int, count: int, t: Any,
@@ -151,11 +153,11 @@ class Replicas:
     def _promote(self, k: int, count: int, P: int) -> None:
         """This backup now serves stage k from its replica of step ``count``."""
         slot = next((s for s in self.slots if s.count == count), None)
-        if self.optimizer is None or self._mirror_of != k:
-            self.optimizer = self.make_optimizer(self._module(k))
+        if self.own is None or self._mirror_of != k:
+            self.own = StageState(self._module(k), self.make_optimizer)
         if slot is None:
             raise RuntimeError(f"backup of stage {k} lacks the replica of step {count}")
-        unpack_state(slot.flat, self._module(k), self.optimizer, count)
+        self.own.unpack(slot.flat, count, step=P)
         self.stage, self.shadowing = k, None
         self.done = P
         self.slots = []
@@ -188,16 +190,8 @@ class Replicas:
             slot = next((s for s in self.ward_slots.get(k, []) if s.count == count), None)
             if slot is None:
                 raise RuntimeError(f"neighbour of stage {k} lacks its replica of step {count}")
-            own = self._params(self.stage) if self.stage is not None else []
-            ward_module = old.partitions[k]
-            merged = self.make_optimizer(new.partitions[into])
-            old_opt = self.optimizer
-            if old_opt is not None:
-                for p in own:
-                    if p in old_opt.state:
-                        merged.state[p] = old_opt.state[p]
-            unpack_state(slot.flat, ward_module, merged, count)
-            self.optimizer = merged
+            assert self.own is not None
+            self.own.absorb(new.partitions[into], old.partitions[k], slot.flat, count)
             self._say(f"took over stage {k} into its own (replica of step {count})")
         self.pipe = new
         self.stage = d.route.index(self.wrank) if self.wrank in d.route else None
@@ -209,10 +203,10 @@ class Replicas:
         t = self.pipe.transport
         deadline = max(self.settings.deadline_s, 1.0)
         if self.stage is not None:
-            assert self.optimizer is not None
+            assert self.own is not None
             holders = self._holders_of(self.stage)
             if holders:
-                flat = pack_state(self._module(self.stage), self.optimizer)
+                flat = self.own.pack()
                 for h in holders:
                     t.send(flat, self._drank(h), kind=REPLICA, step=P, micro=1)
             for ward in self.wards:
@@ -221,10 +215,10 @@ class Replicas:
         elif self.shadowing is not None:
             self._take_resync(self.route_w[self.shadowing], self.shadowing, P, t, deadline)
             if self.settings.mode == "hot":
-                if self.optimizer is None or self._mirror_of != self.shadowing:
-                    self.optimizer = self.make_optimizer(self._module(self.shadowing))
+                if self.own is None or self._mirror_of != self.shadowing:
+                    self.own = StageState(self._module(self.shadowing), self.make_optimizer)
                     self._mirror_of = self.shadowing
-                unpack_state(self.slots[-1].flat, self._module(self.shadowing), self.optimizer, P)
+                self.own.unpack(self.slots[-1].flat, P)
             self.done = P
 
     def _take_resync(self, source_w: int, stage: int, P: int, t: Any, deadline: float) -> None:

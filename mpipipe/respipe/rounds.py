@@ -21,7 +21,6 @@ from typing import Any
 from mpipipe.core.logs.logschema import EventKind
 from mpipipe.core.mpi import ft, watchdog
 from mpipipe.core.mpi.transport import Late, PeerFailed, pause
-from mpipipe.core.state.statecodec import unpack_state
 from mpipipe.respipe.control import _ANNOUNCE, _DECISION, _DEMOTED, _GO, _READY, _Control
 from mpipipe.respipe.decide import View, decide, eval_point, round_patience, stage_holders
 from mpipipe.respipe.membership import _DEBUG, Demoted, StageLost
@@ -365,15 +364,15 @@ class Rounds:
                          if x is not None and x.count == P), None)
             if snap is None:
                 raise RuntimeError(f"cannot roll back from step {self.done} to {P}")
-            assert self.optimizer is not None
-            unpack_state(snap.flat, self._module(self.stage), self.optimizer, P)
+            assert self.own is not None
+            self.own.unpack(snap.flat, P)
             self.done = P
         elif not go_on and self.stage is not None and self.snapshot is not None \
                 and self.snapshot.count == P == self.done:
             # Cut mid-step: the forwards it ran moved BatchNorm's running statistics; the
             # replay must not count those micro-batches twice (the snapshot has step P's).
-            assert self.optimizer is not None
-            unpack_state(self.snapshot.flat, self._module(self.stage), self.optimizer, P)
+            assert self.own is not None
+            self.own.unpack(self.snapshot.flat, P)
         if d.merge >= 0:
             self._merge(d, P)
         for k, w in enumerate(d.route):

@@ -54,6 +54,7 @@ from mpipipe.core.mpi.stop import ControlStop, StopRun
 from mpipipe.core.mpi.transport import Late, PeerFailed, set_wait_hook
 from mpipipe.core.run.batches import DataFault
 from mpipipe.core.state.checkpoint import CheckpointError
+from mpipipe.core.state.stagestate import StageState
 from mpipipe.core.state.statecodec import pack_state, state_nbytes, unpack_state
 from mpipipe.respipe.control import _ANNOUNCE, _DEMOTED, _END, _STOP, _STOP_ASK, _Control
 from mpipipe.respipe.decide import round_patience
@@ -166,8 +167,8 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         self.snapshot: _Slot | None = None
         self.slots: list[_Slot] = []  # held replicas (backup or neighbour), newest last
         self._replica_sizes: dict[int, tuple[nn.Module, int]] = {}  # id(stage module) -> bytes
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._mirror_of: int | None = None  # hot: the stage whose optimizer self.optimizer is
+        self.own: StageState | None = None  # the state of the stage this rank serves (hot: mirrors)
+        self._mirror_of: int | None = None  # hot: the stage self.own mirrors
         self._mirror_snap: _Slot | None = None  # hot: the mirror's state before its step
         # True from an applied update until the step's replica, figures, evaluation and
         # checkpoint are done: a round then replays (that work is not resumable).
@@ -197,8 +198,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         # Every rank built the model from the same seed: before the first replica
         # arrives, a holder's copy of the initial state is the replica of step 0.
         for k in ([self.shadowing] if self.shadowing is not None else self.wards):
-            self._hold(_Slot(pack_state(self._module(k), self.make_optimizer(self._module(k))),
-                             0), k)
+            self._hold(_Slot(StageState(self._module(k), self.make_optimizer).pack(), 0), k)
         if self.shadowing is not None:
             self._warm_up(self.shadowing)
         if resume is not None:
@@ -230,17 +230,15 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         owned = [self.stage] if self.stage is not None else []
         held = [self.shadowing] if self.shadowing is not None else list(self.wards)
         for k in owned + held:
-            state = load(k)
-            opt = self.optimizer if k == self.stage else self.make_optimizer(self._module(k))
+            checkpoint = load(k)
+            state = self.own if k == self.stage and self.own is not None \
+                else StageState(self._module(k), self.make_optimizer)
             try:
-                self.pipe.partitions[k].load_state_dict(state.params)
-                if state.optimizer and isinstance(opt, torch.optim.Optimizer):
-                    opt.load_state_dict(state.optimizer)
-            except (RuntimeError, ValueError, KeyError) as e:
-                raise CheckpointError(f"the checkpoint of stage {k} does not fit this model "
-                                      f"and optimizer: {e}") from None
+                state.load_state_dict(checkpoint.state)
+            except CheckpointError as e:
+                raise CheckpointError(f"the checkpoint of stage {k} {e}") from None
             if k in held:
-                slot = _Slot(pack_state(self._module(k), opt), step)
+                slot = _Slot(state.pack(), step)
                 if self.stage is not None:
                     self.ward_slots[k] = [slot]
                 else:
@@ -313,8 +311,8 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
 
     def _stage_step(self) -> None:
         s = self.done
-        pipe, opt = self.pipe, self.optimizer
-        assert self.stage is not None and opt is not None
+        pipe, own = self.pipe, self.own
+        assert self.stage is not None and own is not None
         ta = time.perf_counter()
         self._poll_rejoin()
         self._drain_fault_notes()
@@ -331,7 +329,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
             # before (a mirror that was a step behind sets P).
             if self.snapshot is not None and self.snapshot.count != self.done:
                 self.prev_snapshot = self.snapshot
-            self.snapshot = _Slot(pack_state(self._module(self.stage), opt), self.done)
+            self.snapshot = _Slot(own.pack(), self.done)
         pipe.deadline = self._deadline()
         t0 = time.perf_counter()
         pipe.transport.reset_counters()
@@ -340,8 +338,7 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
         factor = self.faults.slowdown(s)
         if factor > 1:
             time.sleep((factor - 1) * pipe.last_compute_s)
-        self.schedule.apply(opt, s)
-        opt.step()
+        own.apply_step(self.schedule, s)
         self.done = s + 1
         self._after_step = True
         # The step is applied: its figures leave even when its replica cannot (a holder
@@ -369,14 +366,9 @@ class ResPipe(Rounds, HotMirror, Replicas, Rejoin, Logbook, Membership):
 
     def _checkpoint(self) -> None:
         """This stage writes its own file (atomically); no barrier, so no rank can hang on it."""
-        from mpipipe.core.state import checkpoint
-
-        assert self.stage is not None
-        checkpoint.save_stage(self.checkpoint_dir, step=self.done, stage=self.stage,
-                              balance=self.pipe.balance, module=self.pipe.partitions[self.stage],
-                              optimizer=self.optimizer if isinstance(
-                                  self.optimizer, torch.optim.Optimizer) else None,
-                              eval_count=self.pipe.eval_count)
+        assert self.stage is not None and self.own is not None
+        self.own.save(self.checkpoint_dir, stage=self.stage, balance=self.pipe.balance,
+                      eval_count=self.pipe.eval_count)
         if self.is_logger:
             self._log_event(EventKind.CHECKPOINT, self.done, self.wrank,
                             directory=str(self.checkpoint_dir))

@@ -1,4 +1,8 @@
-"""Per-stage checkpoints: parameters, optimizer state and sampler position, loaded safely."""
+"""Per-stage checkpoints: a stage's state (:meth:`mpipipe.core.state.stagestate.StageState.state_dict`)
+with where it belongs (stage, balance, data position), written atomically, loaded safely.
+
+The file is ``torch.save`` of plain containers and tensors; its keys ``step``, ``params``
+and ``optimizer`` are the state_dict's ``step``, ``module`` and ``optimizer``."""
 
 from __future__ import annotations
 
@@ -9,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-__all__ = ["CheckpointError", "StageState", "stage_path", "save_stage", "load_stage"]
+__all__ = ["CheckpointError", "Checkpoint", "stage_path", "save_stage", "load_stage"]
 
 FORMAT = "mpipipe-stage-checkpoint-1"
 
@@ -21,8 +24,8 @@ class CheckpointError(ValueError):
 
 
 @dataclass
-class StageState:
-    """What one stage needs to continue exactly where it stopped."""
+class Checkpoint:
+    """What one stage's file holds: its state and where it belongs."""
 
     step: int  # optimizer steps completed
     stage: int
@@ -32,14 +35,19 @@ class StageState:
     sampler: tuple[int, int]  # (epoch, offset) of the data reader; (-1, -1) if none
     eval_count: int = 0
 
+    @property
+    def state(self) -> dict[str, Any]:
+        """The stage's state in :meth:`StageState.state_dict`'s form (for its ``load_state_dict``)."""
+        return {"step": self.step, "module": self.params, "optimizer": self.optimizer}
+
 
 def stage_path(directory: str | Path, stage: int) -> Path:
     return Path(directory) / f"stage-{stage}.pt"
 
 
-def save_stage(directory: str | Path, *, step: int, stage: int, balance: Sequence[int],
-               module: nn.Module, optimizer: torch.optim.Optimizer | None,
-               sampler: tuple[int, int] = (-1, -1), eval_count: int = 0) -> Path:
+def save_stage(directory: str | Path, state: dict[str, Any], *, stage: int,
+               balance: Sequence[int], sampler: tuple[int, int] = (-1, -1),
+               eval_count: int = 0) -> Path:
     """Write this stage's checkpoint atomically (temporary file, then rename).
 
     Why atomic: a job killed while saving must leave the previous checkpoint intact,
@@ -49,11 +57,11 @@ def save_stage(directory: str | Path, *, step: int, stage: int, balance: Sequenc
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = {
         "format": FORMAT,
-        "step": int(step),
+        "step": int(state["step"]),
         "stage": int(stage),
         "balance": [int(b) for b in balance],
-        "params": module.state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else {},
+        "params": state["module"],
+        "optimizer": state["optimizer"],
         "sampler": [int(sampler[0]), int(sampler[1])],
         "eval_count": int(eval_count),
     }
@@ -63,7 +71,7 @@ def save_stage(directory: str | Path, *, step: int, stage: int, balance: Sequenc
     return path
 
 
-def load_stage(directory: str | Path, stage: int) -> StageState:
+def load_stage(directory: str | Path, stage: int) -> Checkpoint:
     """Read one stage's checkpoint with torch.load(weights_only=True): tensors and plain
     containers only, so a crafted file cannot run code.
 
@@ -81,7 +89,7 @@ def load_stage(directory: str | Path, stage: int) -> StageState:
         raise CheckpointError(f"{path} is not an mpipipe stage checkpoint")
     if blob["stage"] != stage:
         raise CheckpointError(f"{path} holds stage {blob['stage']}, expected stage {stage}")
-    return StageState(step=int(blob["step"]), stage=stage, balance=list(blob["balance"]),
+    return Checkpoint(step=int(blob["step"]), stage=stage, balance=list(blob["balance"]),
                       params=blob["params"], optimizer=blob["optimizer"],
                       sampler=(int(blob["sampler"][0]), int(blob["sampler"][1])),
                       eval_count=int(blob.get("eval_count", 0)))
