@@ -438,7 +438,11 @@ def train(run: Run) -> int:
     }
     log.set_attr("summary", summary)
     if run.request.api:  # a script gets the model back on the writer (mpipipe.train)
-        run.final_state = gather_model_state(comm, s.pipe.stage_module, run.plan.log_rank)
+        from mpipipe.core.state.stagestate import StageState
+
+        state = None if s.pipe.stage_module is None else StageState(
+            s.pipe.stage_module, run.recipe.make_optimizer, optimizer=s.optimizer)
+        run.final_state = gather_model_state(comm, state, run.plan.log_rank)
     if log.active:  # the writer's: what the Python API gives back
         run.result.update(summary)
     if run.rank == 0:

@@ -155,11 +155,11 @@ def train(run: Any) -> int:
         result = rp.train(s.total_steps, cfg["run"]["eval_every"])
     except StageLost as e:
         _close_log(run, f"failed: {e}")
-        if rp.members and rp.wrank == rp.members[0]:
+        if rp.m.members and rp.wrank == rp.m.members[0]:
             print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
             rp.close_lobby()  # a replaced rank waiting to rejoin leaves too
         try:
-            rp.data.Barrier()  # the log is closed before any survivor exits
+            rp.m.data.Barrier()  # the log is closed before any survivor exits
         except Exception:  # noqa: BLE001 - a further failure: exit anyway
             pass
         # Leave without MPI_Finalize: under ULFM it runs an agreement over the world,
@@ -171,7 +171,7 @@ def train(run: Any) -> int:
             stop.announce(run.prog, e, checkpoint_dir=s.checkpoint_dir
                           if e.kind == "signal" else None)
             _close_log(run, e.status)
-        stop.all_reach(rp.data, 30.0)  # the writer's line and log before anyone's exit
+        stop.all_reach(rp.m.data, 30.0)  # the writer's line and log before anyone's exit
         stop.flush_and_exit(e.exit_code)
     except Demoted as e:
         print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
@@ -200,7 +200,7 @@ def train(run: Any) -> int:
         code = 0 if _close_log(run, "completed") else 1
     if run.request.api:  # a script's ranks learn the writer's verdict alike
         try:
-            code = rp.data.bcast(code, root=rp.members.index(rp.log_w))
+            code = rp.m.data.bcast(code, root=rp.m.drank(rp.m.log_w))
         except Exception:  # noqa: BLE001 - MPI's error under ULFM: a member died at the end
             pass
     if result["takeovers"] or result["generation"]:
@@ -221,9 +221,9 @@ def _final_state(rp: ResPipe) -> dict[str, Any] | None:
     (its checkpoints, where configured, hold the state)."""
     from mpipipe.core.run.cli import gather_model_state
 
-    module = rp.pipe.partitions[rp.stage] if rp.stage is not None else None
+    own = rp.replicas.own if rp.m.stage is not None else None
     try:
-        return gather_model_state(rp.data, module, rp.members.index(rp.log_w))
+        return gather_model_state(rp.m.data, own, rp.m.drank(rp.m.log_w))
     except Exception as e:  # noqa: BLE001 - MPI's error under ULFM: a member died at the end
         if rp.is_logger:
             print(f"mpipipe train: note: the final model could not be gathered ({e}); "

@@ -1,28 +1,44 @@
 """Hot mode's side of ResPipe: a backup mirrors every step of its stage, and a round
 that can finish the step in flight promotes the mirror where it stands.
 
-Kept together (the :class:`HotMirror` mixin of :class:`mpipipe.respipe.trainer.ResPipe`)
-so that the engine's hot-mode parts (StepState, Have, relays, resume) can move next to
-it in one piece; the calls into the engine are unchanged.
+The :class:`HotMirror` part of :class:`mpipipe.respipe.trainer.ResPipe`; the engine's
+hot-mode parts (StepState, Have, relays, resume) are :mod:`mpipipe.respipe.mirror`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from mpipipe.core.mpi.transport import CTRL, SHADOW
-from mpipipe.core.state.stagestate import StageState
-from mpipipe.respipe.membership import _DEBUG
+from mpipipe.respipe.logbook import Logbook
+from mpipipe.respipe.membership import _DEBUG, Membership
 from mpipipe.respipe.mirror import Have
-from mpipipe.respipe.replicas import _Slot
+from mpipipe.respipe.replicas import Replicas, _Slot
 
 
 class HotMirror:
-    """Mirroring a stage's steps, and finishing a step in flight after a takeover."""
+    """Mirroring a stage's steps, and finishing a step in flight after a takeover.
 
-    def _mirror_step(self, k: int, stage_w: int) -> None:
+    Built with the membership, the replicas (whose ``own`` state mirrors the stage), the
+    logbook (a mirror keeps the stage's figures in case it takes over) and what a step
+    needs: ``batch_of`` (the last stage's mirror reads y itself), the loss and the
+    schedule.
+    """
+
+    def __init__(self, m: Membership, replicas: Replicas, book: Logbook, *,
+                 batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 schedule: Any, in_shape: tuple[int, ...]) -> None:
+        self.m, self.replicas, self.book = m, replicas, book
+        self.batch_of, self.loss_fn, self.schedule = batch_of, loss_fn, schedule
+        self.in_shape = in_shape
+        self._snap: _Slot | None = None  # the mirror's state before its step
+
+    def mirror_step(self, k: int, stage_w: int) -> None:
         """Hot mode: run stage k's actions on the tensors it relays, then step.
 
         The stage relays its inputs and its output gradients (stages < K-1); the last
@@ -30,65 +46,51 @@ class HotMirror:
         in the same order. The pipeline keeps the step's progress, so that a takeover
         in the middle of it finishes the step where the mirror stands (no replay).
         """
-        pipe, t = self.pipe, self.pipe.transport
-        s = self.done
-        self._start_mirror(k)
-        own = self.own
-        assert own is not None
+        m, r = self.m, self.replicas
+        pipe, t = m.pipe, m.pipe.transport
+        s = m.done
+        own = r.mirror(k)
         st = pipe.inflight
         if st is None or st.step != s or st.stage != k:
             # Wait (briefly, so END and announcements are seen) for the step's first
             # relayed tensor (every schedule starts with the forward of micro-batch 0).
-            if not self._probe(stage_w, t.tag(SHADOW, s, 0)):
+            if not r.probe(stage_w, t.tag(SHADOW, s, 0)):
                 time.sleep(0.0005)
                 return
-            self._mirror_snap = _Slot(own.pack(), s)
-        pipe.deadline = self._deadline()
+            self._snap = _Slot(own.pack(), s)
+        pipe.deadline = m.deadline()
         pipe.boundary_shapes(self.in_shape)
         t.reset_counters()
         y = self.batch_of(s)[1] if k == pipe.k - 1 else None
-        loss = pipe.step(None, y, self.loss_fn, step=s, mirror=(k, self._drank(stage_w)))
+        loss = pipe.step(None, y, self.loss_fn, step=s, mirror=(k, m.drank(stage_w)))
         own.apply_step(self.schedule, s)
-        snap = self._mirror_snap
-        self.snapshot = snap
-        self.done = s + 1
-        self.slots = [snap, _Slot(own.pack(), self.done)]
+        m.done = s + 1
+        assert self._snap is not None
+        r.mirrored(self._snap)
         # Kept in case this mirror takes over before the stage's figures reach the log.
-        self._keep_figs(self._step_figs(s, loss))
-        if self.done % self.settings.replicate_every == 0:
+        self.book.keep_figs(self.book.step_figs(s, loss))
+        if m.done % m.settings.replicate_every == 0:
             # The periodic replica guards the mirror against drift; it replaces the state.
-            self._after_step = True
-            self._take_replica(stage_w, k, self.done, t)
-            own.unpack(self.slots[-1].flat, self.done)
-            self._after_step = False
+            m.after_step = True
+            r.take(stage_w, k, m.done, t)
+            r.load_newest()
+            m.after_step = False
 
-    def _start_mirror(self, k: int) -> None:
-        """A new mirror of stage k starts from the replica it holds (of step 0, or of a
-        resumed run's checkpoint), optimizer state included."""
-        if self.own is not None and self._mirror_of == k:
-            return
-        self.own = StageState(self._module(k), self.make_optimizer, step=self.done)
-        self._mirror_of = k
-        self.pipe.abandon()
-        if self.slots:
-            self.own.unpack(self.slots[-1].flat, self.slots[-1].count, step=self.done)
-
-    def _promote_mirror(self, k: int) -> None:
+    def promote(self, k: int) -> None:
         """This hot mirror now serves stage k from where it stands, its step in flight too."""
-        self._start_mirror(k)  # a backup that has not mirrored a step yet starts now
-        self.stage, self.shadowing = k, None
-        self.slots = []
-        self.snapshot = self.prev_snapshot = None
-        self._say(f"took over stage {k} in step {self.done + 1} (hot, no replay)")
+        self.replicas.mirror(k)  # a backup that has not mirrored a step yet starts now
+        self.replicas.became_stage(k)
+        self.m.say(f"took over stage {k} in step {self.m.done + 1} (hot, no replay)")
 
-    def _go_on(self) -> None:
+    def go_on(self) -> None:
         """After a round that keeps the step in flight: each rank tells the ranks it takes
         messages from what it holds, then sends its own consumers what they lack."""
-        pipe, t = self.pipe, self.pipe.transport
-        deadline = max(self.settings.deadline_s, 1.0)
-        source = None if self.shadowing is None or self.stage is not None \
-            else self._drank(self.route_w[self.shadowing])
-        mine = pipe.have(self.done).encode()
+        m = self.m
+        pipe, t = m.pipe, m.pipe.transport
+        deadline = max(m.settings.deadline_s, 1.0)
+        source = None if m.shadowing is None or m.stage is not None \
+            else m.drank(m.route_w[m.shadowing])
+        mine = pipe.have(m.done).encode()
         for r in pipe.suppliers(source):
             t.send(mine, r, kind=CTRL, step=0)
         theirs = {r: Have.decode(t.recv(torch.empty(4, dtype=torch.int64), r, kind=CTRL,
@@ -96,5 +98,4 @@ class HotMirror:
                   for r in pipe.consumers()}
         sent = pipe.resume(theirs)
         if _DEBUG:
-            self._say(f"go on at step {self.done}: holds {pipe.have(self.done)}, "
-                      f"resent {sent} messages")
+            m.say(f"go on at step {m.done}: holds {pipe.have(m.done)}, resent {sent} messages")

@@ -203,3 +203,25 @@ def decode(cls: type[M], vector: np.ndarray | typing.Sequence[float]) -> M:
     return cls(**kw)
 
 
+
+
+@dataclass
+class Round:
+    """What started a round on this rank (never sent: each rank reports it in its
+    :class:`StateReport`): a late or failed peer, an announcement, a rejoin request
+    (``suspect`` the rank asking, ``waited_s`` when it was told it was replaced), or a
+    generation that was not built."""
+
+    reason: str
+    suspect: int
+    t_detect: float
+    waited_s: float = float("nan")
+
+
+class RoundStarted(Exception):
+    """A round is due (another rank started it, or this rank's own business); every part
+    that notices raises it and the trainer runs the round."""
+
+    def __init__(self, rnd: Round) -> None:
+        super().__init__(rnd.reason)
+        self.round = rnd

@@ -198,8 +198,9 @@ class ControlStop:
       changes no parameter before its end), writes its checkpoint and tells its
       backups the run is over.
 
-    ``rp`` is the ResPipe (members, route_w, stage, done, control, _drank); its
-    ``control`` has ``send``, ``poll`` and ``quiet`` (mpipipe.respipe.control._Control).
+    ``rp`` is ResPipe's membership (``members``, ``route_w``, ``stage``, ``done``,
+    ``control``, ``drank``: mpipipe.respipe.membership.Membership); its ``control`` has
+    ``send``, ``poll`` and ``quiet`` (mpipipe.respipe.control._Control).
     """
 
     def __init__(self, rp: Any, code: int, ask_code: int) -> None:
@@ -217,14 +218,14 @@ class ControlStop:
         raw = np.frombuffer(text.encode()[:4000], dtype=np.uint8).astype(np.float64)
         vec = [kind, step, *raw.tolist()]
         for w in self._others():
-            self.rp.control.send(self.code, self.rp._drank(w), vec, seq=0)
+            self.rp.control.send(self.code, self.rp.drank(w), vec, seq=0)
 
     def poll(self) -> None:
         """Read any STOP waiting from another member (a data error wins over a signal)."""
         if self.rp.control.quiet(self.code):
             return
         for w in self._others():
-            msg = self.rp.control.poll(self.code, self.rp._drank(w), seq=0)
+            msg = self.rp.control.poll(self.code, self.rp.drank(w), seq=0)
             if msg is None:
                 continue
             text = bytes(msg[2:].astype("uint8")).decode(errors="replace")
@@ -238,11 +239,11 @@ class ControlStop:
         self.poll()
         decider = rp.route_w[0] == rp.wrank
         if self.pending is None and _requested is not None and not decider and not self.asked:
-            rp.control.send(self.ask_code, rp._drank(rp.route_w[0]), [1], seq=0)
+            rp.control.send(self.ask_code, rp.drank(rp.route_w[0]), [1], seq=0)
             self.asked = True
         if self.pending is None and decider and boundary:
             asked = _requested is not None or (not rp.control.quiet(self.ask_code) and any(
-                rp.control.poll(self.ask_code, rp._drank(w), seq=0) is not None
+                rp.control.poll(self.ask_code, rp.drank(w), seq=0) is not None
                 for w in self._others()))
             if asked:
                 self.pending = StopRun("signal", _requested or "SIGTERM", rp.done + 1)

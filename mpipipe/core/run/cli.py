@@ -366,10 +366,10 @@ def gather_figures(comm: Any, figures: Mapping[str, float], root: int = 0) -> di
     return {r: f for r, f in enumerate(gathered) if f is not None}
 
 
-def gather_model_state(comm: Any, module: Any, root: int) -> dict[str, Any] | None:
+def gather_model_state(comm: Any, state: Any, root: int) -> dict[str, Any] | None:
     """The whole model's ``state_dict`` on ``root`` (the log's writer), from each rank's
-    stage ``module`` (None on a rank without one); None on every other rank. Collective
-    over ``comm``.
+    stage ``state`` (a :class:`~mpipipe.core.state.stagestate.StageState`; None on a rank
+    without one); None on every other rank. Collective over ``comm``.
 
     Why over MPI: a script that called ``mpipipe.train`` gets its model back at the end
     without a checkpoint directory, and without reading files other ranks may still be
@@ -377,7 +377,7 @@ def gather_model_state(comm: Any, module: Any, root: int) -> dict[str, Any] | No
     so the parts add up to the chain's ``state_dict``; neighbour-merged stages and a
     rank's interleaved chunks alike.
     """
-    mine = {k: v.detach().clone() for k, v in module.state_dict().items()} if module is not None else {}
+    mine = state.model_state() if state is not None else {}
     parts = comm.gather(mine, root=root)
     if parts is None:
         return None

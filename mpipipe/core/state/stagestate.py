@@ -133,7 +133,7 @@ class StageState:
             if state.get("optimizer") and opt is not None:
                 opt.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"it does not fit this model and optimizer: {e}") from None
+            raise CheckpointError(f"does not fit this model and optimizer: {e}") from None
         self.step = int(state["step"])
 
     def save(self, directory: str | Path, *, stage: int, balance: Sequence[int],
