@@ -111,9 +111,30 @@ def layout_of(module: nn.Module, optimizer: Any = None) -> StateLayout:
     state = module.state_dict(keep_vars=True)
     tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for t in state.values()]
     params = list(dict.fromkeys(module.parameters()))
-    template = _optimizer_template(module, optimizer)
-    # (element size, order) -> segment: the largest elements first, no padding needed
-    wanted: list[tuple[int, int, str, Any, Any, tuple[int, ...]]] = []
+    wanted, optim = _wanted(tensors, _optimizer_template(module, optimizer), optimizer)
+    module_segs, runs, offset = _place(wanted, optim, len(tensors))
+    layout = StateLayout(tensors, module_segs, params, optim, offset, runs)
+    _LAYOUTS.setdefault(module, {})[key] = layout
+    return layout
+
+
+# A tensor the buffer holds: (-element size, order, "m" | "o", index, dtype, shape); "m"
+# index i is the module's i-th state tensor, "o" index (i, key) the i-th parameter's
+# optimizer state under ``key``.
+_Wanted = tuple[int, int, str, Any, Any, tuple[int, ...]]
+
+
+def _wanted(tensors: list[Any], template: list[dict[str, Any]],
+            optimizer: Any) -> tuple[list[_Wanted], list[dict[str, tuple[str, Any]]]]:
+    """Every tensor of the state, and each optimizer key's kind (a tensor, a Python number
+    carried as float64, a constant bool, or None).
+
+    Raises:
+        StateError: an optimizer state value that is neither a tensor, a number nor None.
+    """
+    import torch
+
+    wanted: list[_Wanted] = []
     optim: list[dict[str, tuple[str, Any]]] = []
     for i, t in enumerate(tensors):
         wanted.append((-t.element_size(), len(wanted), "m", i, t.dtype, tuple(t.shape)))
@@ -133,7 +154,15 @@ def layout_of(module: nn.Module, optimizer: Any = None) -> StateLayout:
                                  f"{type(v).__name__} per parameter; a replica carries "
                                  f"tensors, numbers and None only")
         optim.append(kinds)
-    module_segs: list[_Segment | None] = [None] * len(tensors)
+    return wanted, optim
+
+
+def _place(wanted: list[_Wanted], optim: list[dict[str, tuple[str, Any]]],
+           n_module: int) -> tuple[list[_Segment], list[tuple], int]:
+    """Lay the tensors out, the largest elements first (so no padding is needed): the
+    module's segments, the runs of consecutive segments of one dtype (one concatenation
+    each when packing), and the total bytes. Fills ``optim``'s segments in place."""
+    module_segs: list[_Segment | None] = [None] * n_module
     runs: list[tuple[int, int, Any, list[tuple], list[_Segment]]] = []
     offset = 0
     for neg_size, _, where, idx, dtype, shape in sorted(wanted):
@@ -157,10 +186,7 @@ def layout_of(module: nn.Module, optimizer: Any = None) -> StateLayout:
             runs[-1] = (start, size + seg.nbytes, dtype, [*sources, source], [*segs, seg])
         else:
             runs.append((seg.offset, seg.nbytes, dtype, [source], [seg]))
-    layout = StateLayout(tensors, [s for s in module_segs if s is not None],
-                         params, optim, offset, runs)
-    _LAYOUTS.setdefault(module, {})[key] = layout
-    return layout
+    return [s for s in module_segs if s is not None], runs, offset
 
 
 def state_nbytes(module: nn.Module, optimizer: Any = None) -> int:
