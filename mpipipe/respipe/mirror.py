@@ -198,86 +198,104 @@ class MirrorPipeline(Pipeline):
     def _run_hot(self, st: StepState, x: torch.Tensor | None, y: torch.Tensor | None,
                  loss_fn: LossFn, source: int | None) -> None:
         """The actions of `st.stage` from `st.pos` on; `source` is a mirror's stage rank."""
-        stage, t, m, deadline = st.stage, self.transport, self.chunks, self.deadline
-        first, last = stage == 0, stage == self.k - 1
-        part = self.partitions[stage]
-        ranks = self.route.ranks
+        stage = st.stage
         shadows = self.route.shadows_of(stage) if source is None else []
+        self._hot_inputs(st, x, y, source)
+        todo = self.plan(stage)
+        while st.pos < len(todo):
+            a = todo[st.pos]
+            if a.op == Op.FORWARD:
+                self._hot_forward(st, a.micro, loss_fn, source, shadows)
+            else:
+                self._hot_backward(st, a.micro, source, shadows)
+        self.transport.flush(self.deadline)
+
+    def _hot_inputs(self, st: StepState, x: torch.Tensor | None, y: torch.Tensor | None,
+                    source: int | None) -> None:
+        """The first stage's micro-batches of x, and the labels of the first and last
+        stages (a mirror of the last stage reads its labels itself), once per step."""
+        first, last = st.stage == 0, st.stage == self.k - 1
         if first and source is None and st.xs is None:
             st.xs = self._split_x(x)
-        shapes = self.boundary_shapes()
         if (first or last) and st.ys is None and st.y is None:
-            if source is not None:  # a mirror reads its labels itself
+            if source is not None:
                 if last:
                     if y is None:
                         raise ValueError("a mirror of the last stage needs y")
-                    st.ys = list(y.tensor_split(m))
+                    st.ys = list(y.tensor_split(self.chunks))
             else:
                 st.ys, st.y = self._labels(y, st.step, 0, LABEL)
         if last and st.ys is not None and not st.total:
             st.total = sum(len(v) for v in st.ys)
-        todo = self.plan(stage)
-        keep = self.resumable  # what was sent stays, to be sent again after a takeover
-        while st.pos < len(todo):
-            a = todo[st.pos]
-            i = a.micro
-            if a.op == Op.FORWARD:
-                inp = st.inputs.get(i)
-                if inp is None:
-                    if first and source is None:
-                        assert st.xs is not None
-                        inp = st.xs[i]
-                    else:
-                        shape, dtype = shapes[stage]
-                        inp = t.recv_rows(shape, dtype, ranks[stage - 1] if source is None
-                                          else source, kind=ACT if source is None else SHADOW,
-                                          step=st.step, micro=i, deadline=deadline)
-                        inp.requires_grad_(inp.is_floating_point())
-                    st.inputs[i] = inp
-                for r in shadows:
-                    self._emit(inp, r, SHADOW, st.step, i)
-                torch.default_generator.manual_seed(micro_seed(self.seed, stage, st.step, i))
-                out = part(inp)
-                if last:
-                    assert st.ys is not None
-                    out = loss_fn(out, st.ys[i]) * (len(st.ys[i]) / st.total)
-                    st.loss_sum += float(out.detach())
-                elif keep:
-                    st.outs[i] = out.detach()
-                st.saved[i] = (inp, out)
-                st.pos += 1
-                if source is None and not last:
-                    self._emit(out, ranks[stage + 1], ACT, st.step, i)
-                if self.after_forward is not None:  # a mirror's too: a fault aimed at it
-                    self.after_forward(st.step, i)
+
+    def _hot_forward(self, st: StepState, i: int, loss_fn: LossFn, source: int | None,
+                     shadows: Sequence[int]) -> None:
+        """Micro-batch i's forward: its input (kept, received, or relayed to a mirror),
+        relayed to the shadows, and its output sent on (or its loss, on the last stage)."""
+        stage, ranks = st.stage, self.route.ranks
+        first, last = stage == 0, stage == self.k - 1
+        inp = st.inputs.get(i)
+        if inp is None:
+            if first and source is None:
+                assert st.xs is not None
+                inp = st.xs[i]
             else:
-                inp, out = st.saved[i]
-                grad = None
-                if not last:
-                    grad = st.grads.get(i)
-                    if grad is None:
-                        grad = t.recv(torch.empty_like(out),
-                                      ranks[stage + 1] if source is None else source,
-                                      kind=GRAD if source is None else SHADOW, step=st.step,
-                                      micro=i if source is None else SHADOW_GRAD_MICRO + i,
-                                      deadline=deadline)
-                        st.grads[i] = grad
-                    for r in shadows if self.relay_grads else ():
-                        self._emit(grad, r, SHADOW, st.step, SHADOW_GRAD_MICRO + i)
-                if out.requires_grad:
-                    out.backward(grad)
-                del st.saved[i]
-                st.pos += 1
-                if not keep:  # 1F1B's point: hold the tensors of in-flight micro-batches only
-                    st.inputs.pop(i, None)
-                    st.grads.pop(i, None)
-                if not first:
-                    g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                    if keep:
-                        st.gins[i] = g
-                    if source is None:
-                        self._emit(g, ranks[stage - 1], GRAD, st.step, i)
-        t.flush(deadline)
+                shape, dtype = self.boundary_shapes()[stage]
+                inp = self.transport.recv_rows(
+                    shape, dtype, ranks[stage - 1] if source is None else source,
+                    kind=ACT if source is None else SHADOW, step=st.step, micro=i,
+                    deadline=self.deadline)
+                inp.requires_grad_(inp.is_floating_point())
+            st.inputs[i] = inp
+        for r in shadows:
+            self._emit(inp, r, SHADOW, st.step, i)
+        torch.default_generator.manual_seed(micro_seed(self.seed, stage, st.step, i))
+        out = self.partitions[stage](inp)
+        if last:
+            assert st.ys is not None
+            out = loss_fn(out, st.ys[i]) * (len(st.ys[i]) / st.total)
+            st.loss_sum += float(out.detach())
+        elif self.resumable:  # what was sent stays, to be sent again after a takeover
+            st.outs[i] = out.detach()
+        st.saved[i] = (inp, out)
+        st.pos += 1
+        if source is None and not last:
+            self._emit(out, ranks[stage + 1], ACT, st.step, i)
+        if self.after_forward is not None:  # a mirror's too: a fault aimed at it
+            self.after_forward(st.step, i)
+
+    def _hot_backward(self, st: StepState, i: int, source: int | None,
+                      shadows: Sequence[int]) -> None:
+        """Micro-batch i's backward: the output's gradient (kept, received, or relayed to
+        a mirror), relayed to the shadows, and the input's gradient sent back."""
+        stage, ranks, keep = st.stage, self.route.ranks, self.resumable
+        first, last = stage == 0, stage == self.k - 1
+        inp, out = st.saved[i]
+        grad = None
+        if not last:
+            grad = st.grads.get(i)
+            if grad is None:
+                grad = self.transport.recv(
+                    torch.empty_like(out), ranks[stage + 1] if source is None else source,
+                    kind=GRAD if source is None else SHADOW, step=st.step,
+                    micro=i if source is None else SHADOW_GRAD_MICRO + i,
+                    deadline=self.deadline)
+                st.grads[i] = grad
+            for r in shadows if self.relay_grads else ():
+                self._emit(grad, r, SHADOW, st.step, SHADOW_GRAD_MICRO + i)
+        if out.requires_grad:
+            out.backward(grad)
+        del st.saved[i]
+        st.pos += 1
+        if not keep:  # 1F1B's point: hold the tensors of in-flight micro-batches only
+            st.inputs.pop(i, None)
+            st.grads.pop(i, None)
+        if not first:
+            g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            if keep:
+                st.gins[i] = g
+            if source is None:
+                self._emit(g, ranks[stage - 1], GRAD, st.step, i)
 
     # -- finishing a step after a takeover ---------------------------------------------
     def _send(self, tensor: torch.Tensor, dest: int, kind: int, step: int, micro: int) -> None:
