@@ -133,20 +133,21 @@ def worker(args: argparse.Namespace) -> None:
     B = cfg["stannis"]["global_batch"]
     rank = run.rank
     # Every rank's power model, for the modelled joules of each phase (host only).
-    powers = raw.gather((tr.meter.model.idle_w, tr.meter.model.active_w), root=0)
+    powers = raw.gather((tr.device.meter.model.idle_w, tr.device.meter.model.active_w), root=0)
     col = {name: STEP_FIGURES.index(name) for name in ("compute_s", "batch_size", "busy_s")}
 
     # Host: every training step's per-rank figures, as the trainer exchanged them.
     records: list[dict] = []
-    record = tr._record
+    record = tr.figures.record
 
-    def recording_record(table: np.ndarray, wall: float) -> None:
+    def recording_record(table: np.ndarray, wall: float, step: int) -> list:
         ranks = {r: (int(table[pos, col["batch_size"]]), float(table[pos, col["busy_s"]]),
                      float(table[pos, col["compute_s"]])) for pos, r in enumerate(tr.members)}
-        record(table, wall)
+        busy = record(table, wall, step)
         records.append({"step": tr.step, "end": time.perf_counter(), "ranks": ranks})
+        return busy
 
-    tr._record = recording_record
+    tr.figures.record = recording_record
 
     def barrier() -> None:
         req = raw.Ibarrier()
@@ -161,12 +162,12 @@ def worker(args: argparse.Namespace) -> None:
         sps = 0.0
         cores = 0.0
         if rank == who:
-            tr._compute(batch)
-            tr.optimizer.step()
+            tr.stepper.compute(batch)
+            tr.stepper.optimizer.step()
             t, c = time.perf_counter(), time.process_time()
             for _ in range(steps):
-                tr._compute(batch)
-                tr.optimizer.step()
+                tr.stepper.compute(batch)
+                tr.stepper.optimizer.step()
             wall = time.perf_counter() - t
             sps = steps * batch / wall
             cores = (time.process_time() - c) / wall
@@ -180,20 +181,20 @@ def worker(args: argparse.Namespace) -> None:
     # steady run counts those after the first tune has converged, and
     # `retunes_per_100_steps_from_start` all of them from the first plan on.
     steady = {"on": False, "steps": 0, "retunes": [], "converge_steps": 0}
-    plan_batches = tr._plan_batches
+    plan_batches = tr.tuning.plan
 
-    def counting(reason: str, plan=None) -> None:
-        old = list(tr.batches)
-        plan_batches(reason, plan)
-        if steady["on"] and tr.batches != old:
+    def counting(reason: str, step: int, plan=None) -> None:
+        old = list(tr.tuning.batches)
+        plan_batches(reason, step, plan)
+        if steady["on"] and tr.tuning.batches != old:
             steady["retunes"].append((tr.step, reason))
 
-    tr._plan_batches = counting
+    tr.tuning.plan = counting
     # Host: moves that passed the bar once in a steady phase (a re-tune waits for the next
     # check to confirm it, hypertune.RetuneRule.confirm); those not confirmed are what the
     # confirmation filtered out.
     passed_once: list[tuple[int, str]] = []
-    check = tr.retuner.check
+    check = tr.tuning.retuner.check
 
     def watching(step: int, *a, **k):
         decision = check(step, *a, **k)
@@ -202,7 +203,7 @@ def worker(args: argparse.Namespace) -> None:
             passed_once.append((step, decision.reason))
         return decision
 
-    tr.retuner.check = watching
+    tr.tuning.retuner.check = watching
 
     def together(steps: int, tune: bool) -> dict | None:
         """Train ``steps`` steps of host + CSDs; the host gets the phase's figures.
@@ -216,13 +217,13 @@ def worker(args: argparse.Namespace) -> None:
 
         cfg["stannis"]["tune"] = tune
         barrier()
-        tr._cycle = None  # the busy time of the first step must not count the phase before
+        tr.figures.restart_clock()  # the busy time of the first step must not count the phase before
         first = len(records)
         if tune and steady["on"]:
             steady["steps"] += steps
         t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):
-            tr._one_step(tr.step + steps + 10_000, cfg["stannis"], cfg["optim"])
+            tr._one_step(tr.step + steps + 10_000)
         wall = time.perf_counter() - t
         cpu = raw.reduce(time.process_time() - c, root=0)
         tr.flush_figures()
@@ -244,9 +245,9 @@ def worker(args: argparse.Namespace) -> None:
 
     def set_batches(batches: list[int]) -> None:
         if rank == 0:
-            tr.batches = batches
-            tr.retuner.restart(tr.members)  # the tuner judges the new plan on its own steps
-        tr._share_plan()
+            tr.tuning.batches = batches
+            tr.tuning.retuner.restart(tr.members)  # the tuner judges the new plan on its own steps
+        tr.tuning.share()
 
     def variant(plan: list[int], tune: bool) -> dict | None:
         """One variant at ``plan``: settle, then the measured steps (same for both)."""
@@ -262,7 +263,7 @@ def worker(args: argparse.Namespace) -> None:
     # measure HyperTune's steady state, not its first guess from the benchmark phase.
     together(size["converge"], tune=True)
     steady["converge_steps"] = size["converge"]
-    tuned_plan = list(tr.batches)
+    tuned_plan = list(tr.tuning.batches)
 
     rounds = []
     for i in range(size["rounds"]):
@@ -279,12 +280,12 @@ def worker(args: argparse.Namespace) -> None:
                 phases[name] = variant(equal_split(B, run.size), tune=False)
             else:
                 phases[name] = variant(tuned_plan, tune=True)
-                tuned_plan = list(tr.batches)
+                tuned_plan = list(tr.tuning.batches)
         if rank != 0:
             continue
         eq, tu = phases["equal"], phases["tuned"]
         # A host alone draws active power all the time (the power model, no CSDs).
-        host_spj = host_only / tr.meter.model.active_w
+        host_spj = host_only / tr.device.meter.model.active_w
         rounds.append({
             "order": list(order), "load_avg": os.getloadavg()[0],
             "standalone": standalone, "host_only": host_only, "host_only_cores": host_only_cores,
@@ -308,16 +309,16 @@ def worker(args: argparse.Namespace) -> None:
     # step, so changing the stretch directly would be undone at the next step.
     from mpipipe.core.mpi.faults import parse_all
     fault = parse_all([f"slow:rank={SLOW_RANK}:step={tr.step}:factor=2"])[0]
-    tr.faults.all.append(fault)
+    tr.injection.plan.all.append(fault)
     if rank == SLOW_RANK:
-        tr.faults.mine.append(fault)
+        tr.injection.plan.mine.append(fault)
     retunes: list[int] = []  # host: steps at which a new plan was chosen after the fault
 
-    def recording(reason: str, plan=None) -> None:
+    def recording(reason: str, step: int, plan=None) -> None:
         retunes.append(tr.step)
-        counting(reason, plan)
+        counting(reason, step, plan)
 
-    tr._plan_batches = recording
+    tr.tuning.plan = recording
     slow = together(size["slow_phase"], tune=True)
     if rank == 0:
         result = summarise(rounds, slow, slow_step, args)
@@ -337,10 +338,10 @@ def worker(args: argparse.Namespace) -> None:
         result["_detail"]["steady_unconfirmed"] = [
             f"step {s}: {r}" for s, r in passed_once if s > first and s + every not in taken]
         # The spread of single step times each rank's tuner saw last (the noise it allows for).
-        result["_detail"]["step_spread"] = {r: round(tr.retuner.spread_of(r), 3)
+        result["_detail"]["step_spread"] = {r: round(tr.tuning.retuner.spread_of(r), 3)
                                             for r in tr.members}
         # Each rank's batch floor (overhead at most stannis.overhead_share of its step).
-        result["_detail"]["floors"] = [p.min_batch for p in tr._capped()]
+        result["_detail"]["floors"] = [p.min_batch for p in tr.tuning.capped()]
         result["_detail"]["tuned_plan"] = rounds[-1]["tuned_plan"] if rounds else None
         # Context: how soon the tuner reacted (the re-tune takes effect at the next step).
         result["_detail"]["first_retune_after_steps"] = \

@@ -143,15 +143,28 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
     n = cfg["stannis"]["csds"]
     if n < 0:
         raise PlanError(f"stannis.csds = {n}: need 0 or more CSDs")
+    plan = _launch_plan(cfg, world_size, n)
+    _check_roles(plan, n)
+    _check_csds(cfg, n)
+    _check_settings(cfg, n)
+    _check_faults(cfg["stannis"]["inject"])
+    return plan
+
+
+def _launch_plan(cfg: dict, world_size: int, n: int) -> LaunchPlan:
+    """The explicit ``plan`` table, or host then CSDs 1..n when the world has 1 + n ranks."""
     if cfg["plan"]:
-        plan = LaunchPlan.from_table(cfg["plan"], world_size, (HOST.name, CSD.name),
+        return LaunchPlan.from_table(cfg["plan"], world_size, (HOST.name, CSD.name),
                                      "a Stannis job has only a host and CSDs")
-    else:
-        if world_size != 1 + n:
-            raise PlanError(
-                f"the launch plan needs {1 + n} ranks (1 host + {n} CSDs) but the MPI world has "
-                f"{world_size}: run mpirun -n {1 + n}, or set stannis.csds={world_size - 1}")
-        plan = LaunchPlan((Role("host"),) + tuple(Role("csd", k) for k in range(1, n + 1)))
+    if world_size != 1 + n:
+        raise PlanError(
+            f"the launch plan needs {1 + n} ranks (1 host + {n} CSDs) but the MPI world has "
+            f"{world_size}: run mpirun -n {1 + n}, or set stannis.csds={world_size - 1}")
+    return LaunchPlan((Role("host"),) + tuple(Role("csd", k) for k in range(1, n + 1)))
+
+
+def _check_roles(plan: LaunchPlan, n: int) -> None:
+    """One host, rank 0, and CSDs 1..n once each: nothing else."""
     if plan.role_of(0) != Role("host"):
         raise PlanError(f"rank 0 is '{plan.role_of(0)}': in a Stannis job rank 0 is the host "
                         "(it writes the log and reads the public data)")
@@ -164,6 +177,10 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
     if indices != list(range(1, n + 1)):
         raise PlanError(f"the plan's CSDs are {indices}; expected csd 1..{n} once each "
                         f"(stannis.csds = {n})")
+
+
+def _check_csds(cfg: dict, n: int) -> None:
+    """The per-CSD lists give one entry per CSD, and every CSD's profile is valid."""
     for key in ("dirs", "slowdowns"):
         given = cfg["csd"][key]
         if given and len(given) != n:
@@ -173,6 +190,10 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
             csd_profile(cfg, k)
         except ValueError as e:
             raise PlanError(f"csd {k}: {e}") from None
+
+
+def _check_settings(cfg: dict, n: int) -> None:
+    """The ``stannis.*`` figures (and ``data.public_to_csds``) within their ranges."""
     s = cfg["stannis"]
     if s["global_batch"] < 1 + n:
         raise PlanError(f"stannis.global_batch = {s['global_batch']} leaves some rank without "
@@ -197,8 +218,12 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
         raise PlanError("stannis.benchmark_batches must list batch sizes >= 1, e.g. [8, 32]")
     if not 0.0 <= cfg["data"]["public_to_csds"] <= 1.0:
         raise PlanError("data.public_to_csds must be a share in [0, 1]")
+
+
+def _check_faults(specs: list) -> None:
+    """Fault specs Stannis can inject: aimed at a rank or a node, no stages, no partitions."""
     try:
-        faults = parse_all(s["inject"])
+        faults = parse_all(specs)
     except FaultError as e:
         raise PlanError(str(e)) from None
     for f in faults:
@@ -215,7 +240,6 @@ def stannis_plan(cfg: dict, world_size: int) -> LaunchPlan:
             raise PlanError(f"fault {f}: Stannis steps have no micro-batches; drop micro=")
         # A kill of the host (rank 0) is allowed: the job ends with one error line and
         # the log closed by a survivor (docs/stannis.md, "A CSD that dies").
-    return plan
 
 
 def emulation(cfg: dict, plan: LaunchPlan) -> dict[str, Any]:

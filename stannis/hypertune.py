@@ -657,14 +657,8 @@ class Retuner:
         current = evaluate(capped, batches)
         candidate = tune(capped, global_batch, objective, mix_weight)
         better = gain(current, candidate, objective, mix_weight)
-        # One sample's time on the rank that sets the step: integer batches cannot do better.
-        step_s = candidate.step_s or current.step_s
-        grain = max((p.model.per_sample_s for p, b in zip(capped, candidate.batches,
-                                                           strict=True) if b > 0),
-                    default=0.0) / step_s if step_s > 0 else 0.0
-        total = sum(candidate.batches)
-        shares = [b / total if total else 0.0 for b in candidate.batches]
-        bar = max(gain_threshold(se, shares, z, grain), rule.min_gain)
+        bar = max(gain_threshold(se, _shares(candidate), z, _grain(capped, current, candidate)),
+                  rule.min_gain)
         level = imbalance(observed)
         changed = sorted(r for r, x in smoothed.items() if x[2])
         changed_speed = sudden(factors) or bool(changed)
@@ -682,35 +676,65 @@ class Retuner:
             return Decision(fitted, None, f"imbalance {level:.2f} <= {rule.imbalance_threshold}",
                             better, bar, changed_speed)
         target = candidate.batches
-        change = [t - b for t, b in zip(target, batches, strict=True)]
         if rule.confirm:
-            # Hysteresis in time: a move passes the bar at two checks in a row, moving
-            # every rank the same way both times, unless a rank's speed jumped (a
-            # `slow` fault: then at once). A burst of other load that lasts a few steps
-            # passes once and is gone by the next check.
-            last = self.pending
-            if sudden(factors):
-                reason += f", a rank {SUDDEN_JUMP:g}x off its model: at once"
-            elif last is not None and step - last[0] <= rule.every and all(
-                    c * (p - b) >= 0 for c, p, b in zip(change, last[1], batches, strict=True)):
-                reason += f", confirmed (passed at step {last[0]} too)"
-            else:
-                self.pending = (step, tuple(target))
+            confirmed = self._confirm(step, batches, target, factors, reason)
+            if confirmed is None:
                 return Decision(fitted, None, reason + ", to be confirmed at the next check",
                                 better, bar, changed_speed)
+            reason = confirmed
         self.pending = None
-        recent = step - self.last_change_step <= 2 * rule.every
+        target, reason = self._move(step, batches, target, changed_speed, reason)
+        if changed:
+            reason += f", ranks {changed} changed speed (newest steps only)"
+        return Decision(fitted, tuple(target), reason, better, bar, changed_speed)
+
+    def _confirm(self, step: int, batches: Sequence[int], target: Sequence[int],
+                 factors: Sequence[float], reason: str) -> str | None:
+        """The reason extended when the move may go now; None (and the move kept) to wait.
+
+        Hysteresis in time: a move passes the bar at two checks in a row, moving
+        every rank the same way both times, unless a rank's speed jumped (a
+        `slow` fault: then at once). A burst of other load that lasts a few steps
+        passes once and is gone by the next check.
+        """
+        change = [t - b for t, b in zip(target, batches, strict=True)]
+        last = self.pending
+        if sudden(factors):
+            return reason + f", a rank {SUDDEN_JUMP:g}x off its model: at once"
+        if last is not None and step - last[0] <= self.rule.every and all(
+                c * (p - b) >= 0 for c, p, b in zip(change, last[1], batches, strict=True)):
+            return reason + f", confirmed (passed at step {last[0]} too)"
+        self.pending = (step, tuple(target))
+        return None
+
+    def _move(self, step: int, batches: Sequence[int], target: Sequence[int],
+              changed_speed: bool, reason: str) -> tuple[Sequence[int], str]:
+        """Take the move to ``target`` (damped if it reverses a recent one); remember it."""
+        change = [t - b for t, b in zip(target, batches, strict=True)]
+        recent = step - self.last_change_step <= 2 * self.rule.every
         reverses = any(c * p < 0 for c, p in zip(change, self.last_change, strict=False))
         if recent and reverses and not changed_speed:
             # The last move overshot: the step models are off in shape; go half way.
             # (Not when a rank changed speed: then the whole move is what it needs.)
             target = damp(batches, target, 0.5)
             reason += ", damped"
-        if changed:
-            reason += f", ranks {changed} changed speed (newest steps only)"
         self.last_change = [t - b for t, b in zip(target, batches, strict=True)]
         self.last_change_step = step
-        return Decision(fitted, tuple(target), reason, better, bar, changed_speed)
+        return target, reason
+
+
+def _shares(candidate: Plan) -> list[float]:
+    """Each rank's share of the candidate plan's samples."""
+    total = sum(candidate.batches)
+    return [b / total if total else 0.0 for b in candidate.batches]
+
+
+def _grain(capped: Sequence[RankProfile], current: Plan, candidate: Plan) -> float:
+    """One sample's time on the rank that sets the step: integer batches cannot do better."""
+    step_s = candidate.step_s or current.step_s
+    return max((p.model.per_sample_s for p, b in zip(capped, candidate.batches,
+                                                     strict=True) if b > 0),
+               default=0.0) / step_s if step_s > 0 else 0.0
 
 
 def should_retune(step_times: Sequence[float], threshold: float) -> bool:

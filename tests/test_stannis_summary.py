@@ -1,26 +1,17 @@
 """The Stannis summary never adds RAPL's measured joules to modelled ones."""
 
 import math
-import time
-from types import SimpleNamespace
 
 import pytest
 
-from stannis.trainer import Trainer
+from stannis.figures import run_summary
 
 
 def _summary(sources: dict[int, str]) -> dict:
-    written: dict = {}
-    fake = SimpleNamespace(
-        t_train=time.perf_counter() - 2.0, step=10, members=[0, 1], batches=[90, 10],
-        totals={0: {"samples": 900, "joules": 300.0, "busy_s": 1.0},
-                1: {"samples": 100, "joules": 20.0, "busy_s": 1.0}},
-        sources=sources, last_loss=1.0, reducer=SimpleNamespace(payload_bytes=4), buffers=None,
-        log=SimpleNamespace(set_attr=lambda key, value: written.update({key: value})),
-        run=SimpleNamespace(progress=SimpleNamespace(summary=lambda **kw: None, samples_per_s=10.0),
-                            log=SimpleNamespace(path="x.h5"), result={}))
-    Trainer._summary(fake, 0.5)
-    return written["summary"]
+    totals = {0: {"samples": 900, "joules": 300.0, "busy_s": 1.0},
+              1: {"samples": 100, "joules": 20.0, "busy_s": 1.0}}
+    return run_summary(totals, sources, elapsed=2.0, steps=10, samples_per_s=10.0, accuracy=0.5,
+                       loss=1.0, final_batches={0: 90, 1: 10}, grad_bytes=4, buffer_bytes=0)
 
 
 def test_one_source_gives_a_total_and_two_give_none() -> None:
