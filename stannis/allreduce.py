@@ -12,24 +12,24 @@ import torch
 from mpi4py import MPI
 
 from mpipipe.core.mpi.transport import pause
-from mpipipe.core.state.statecodec import pack_state, unpack_state
+from mpipipe.core.state.stagestate import StageState
 
 from .config import BUCKET_BYTES, EXCHANGES
 
 
-def broadcast_state(comm: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    steps_taken: int, root: int = 0) -> None:
+def broadcast_state(comm: Any, state: StageState, root: int = 0) -> None:
     """Give every rank ``root``'s whole model state (parameters and buffers) and optimizer
-    state, in one buffer ``Bcast`` (:func:`mpipipe.core.state.statecodec.pack_state`).
+    state, in one buffer ``Bcast`` (:meth:`mpipipe.core.state.stagestate.StageState.pack`;
+    every rank's ``state.step`` is already the root's).
 
     Why the optimizer state too: after a CSD is dropped the survivors restart from
     the host's state; with its momentum (or Adam moments) they continue the same
-    trajectory instead of restarting the average from zero. ``steps_taken`` = 0
-    means no optimizer step yet: the state is then empty everywhere.
+    trajectory instead of restarting the average from zero. A step of 0 means no
+    optimizer step yet: the optimizer's state is then empty everywhere.
     """
-    flat = pack_state(module, optimizer)
+    flat = state.pack()
     comm.Bcast([flat.numpy(), MPI.BYTE], root=root)
-    unpack_state(flat, module, optimizer, steps_taken)
+    state.unpack(flat, state.step)
 
 
 class BufferAverage:

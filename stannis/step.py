@@ -18,6 +18,7 @@ from mpi4py import MPI
 from mpipipe.core.mpi import stop
 from mpipipe.core.run.batches import DataFault
 from mpipipe.core.run.lr import decay
+from mpipipe.core.state.stagestate import StageState
 
 from .allreduce import BufferAverage, WeightedAllreduce, broadcast_state
 from .device import Device
@@ -28,14 +29,15 @@ from .members import Members
 class DataParallelStep:
     """This rank's model and the steps that train it with the others'.
 
-    ``done``: optimizer steps applied (the host's, shared in :meth:`sync_from_host`
-    and after a recovery in :meth:`rejoin`).
+    ``state``: the rank's model, optimizer and optimizer steps applied (``done``: the
+    host's, shared in :meth:`sync_from_host` and after a recovery in :meth:`rejoin`).
     """
 
-    def __init__(self, members: Members, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Any, schedule: Any, device: Device, cfg: dict) -> None:
+    def __init__(self, members: Members, state: StageState, loss_fn: Any, schedule: Any,
+                 device: Device, cfg: dict) -> None:
         self.members = members
-        self.model, self.optimizer, self.loss_fn, self.schedule = model, optimizer, loss_fn, schedule
+        self.state, self.loss_fn, self.schedule = state, loss_fn, schedule
+        model = state.module
         self.stream, self.stretch, self.turns = device.stream, device.stretch, device.turns
         self.optim = cfg["optim"]
         s = cfg["stannis"]
@@ -44,13 +46,25 @@ class DataParallelStep:
         self.reducer = WeightedAllreduce(members.comm, model.parameters(),
                                          s["bucket_bytes"], exchange=s["exchange"],
                                          root=0)  # the host: rank 0, before and after a shrink
-        self.done = 0
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.state.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def done(self) -> int:
+        """Optimizer steps applied."""
+        return self.state.step
 
     # -- the host's state -----------------------------------------------------------------
     def sync_from_host(self) -> None:
         """Every rank starts (and restarts after a failure) from the host's parameters
         and optimizer state."""
-        broadcast_state(self.members.comm, self.model, self.optimizer, self.done)
+        broadcast_state(self.members.comm, self.state)
 
     def rejoin(self) -> None:
         """After a shrink: exchange over the new communicator, from the host's step count
@@ -62,7 +76,7 @@ class DataParallelStep:
             self.buffers.comm = self.members.comm
         step = np.array([self.done], dtype=np.int64)
         self.members.comm.Bcast(step, root=0)
-        self.done = int(step[0])
+        self.state.step = int(step[0])
         self.sync_from_host()
 
     # -- one step's pieces ----------------------------------------------------------------
@@ -142,7 +156,7 @@ class DataParallelStep:
             self.schedule.set_rates(self.optimizer, lambda base: scaled_lr(
                 base, o["base_batch"], int(total), index, o["warmup_steps"]) * decay(index, steps, o["schedule"]))
         self.optimizer.step()
-        self.done = index + 1
+        self.state.step = index + 1
 
     # -- figures --------------------------------------------------------------------------
     @property

@@ -23,6 +23,7 @@ from mpipipe.core.logs.runlog import LogError
 from mpipipe.core.mpi import ft, stop, watchdog
 from mpipipe.core.run import recipe
 from mpipipe.core.run.cli import Request, Run, start_run
+from mpipipe.core.state.stagestate import StageState
 
 from .audit import AuditedComm
 from .background_log import BackgroundLog
@@ -64,25 +65,26 @@ class Trainer:
         seed = cfg["run"]["seed"]
         torch.manual_seed(seed)
         self.device = device = open_device(run, self.group.comm, self.role)
-        model, optimizer, loss_fn, schedule = self._build_model(device.in_shape(run.fail))
-        self.stepper = DataParallelStep(self.group, model, optimizer, loss_fn, schedule, device, cfg)
+        state, loss_fn, schedule = self._build_model(device.in_shape(run.fail))
+        self.stepper = DataParallelStep(self.group, state, loss_fn, schedule, device, cfg)
         self.injection = Injection(cfg["stannis"]["inject"], seed, self.world_rank, run.size,
                                    self.is_host, self.log)
         self.tuning = Tuning(cfg, self.group, device.records, run.plan.role_of, device.max_batch,
                              self.is_host, self.log, run.progress)
         self.figures = StepFigures(self.group, device.meter, self.log, run.progress, self.is_host)
-        self.evaluation = Evaluation(model, loss_fn, cfg["data"], cfg["run"]["eval_every"],
+        self.evaluation = Evaluation(state.module, loss_fn, cfg["data"], cfg["run"]["eval_every"],
                                      self.log, run.progress)
         self.recovery = Recovery(self.group, self.stepper, self.figures, self.tuning,
                                  device.records, self.is_host, self.log, run.progress)
 
     def _build_model(self, in_shape: tuple[int, ...]) -> tuple:
-        """The recipe's model, optimizer, loss and rate schedule (recorded in the log as built)."""
+        """The recipe's model and optimizer (one StageState), loss and rate schedule
+        (recorded in the log as built)."""
         run, cfg = self.run, self.cfg
         try:  # every rank seeded alike: the same weights (checked in DataParallelStep.sync_from_host)
             model = run.recipe.build_model(in_shape)
             model.float()
-            optimizer = run.recipe.make_optimizer(model)
+            state = StageState(model, run.recipe.make_optimizer)
             loss_fn = run.recipe.make_loss()
             schedule = run.recipe.schedule(int(cfg["run"]["steps"]))
         except recipe.RecipeError as e:
@@ -90,9 +92,9 @@ class Trainer:
         if run.log.active:  # what runs, read from the objects (docs/hdf5-log.md), as built
             o = cfg["optim"]
             self.log.set_attr("recipe", run.recipe.describe(  # through the writer thread
-                model, schedule, loss_fn, optimizer=optimizer,
+                model, schedule, loss_fn, optimizer=state.optimizer,
                 rate={"base_batch": o["base_batch"], "warmup_steps": o["warmup_steps"]}))
-        return model, optimizer, loss_fn, schedule
+        return state, loss_fn, schedule
 
     # -- what the commands and benches read -------------------------------------------------
     @property
@@ -323,7 +325,7 @@ def _train(run: Run) -> int:
         stop.flush_and_exit(1)
     run.log.close()
     if trainer.is_host:
-        run.final_state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        run.final_state = trainer.stepper.state.model_state()
     if len(trainer.members) < run.size:
         # A CSD was dropped: under ULFM, MPI_Finalize runs an agreement over the whole
         # world, which was seen to wait for the dead rank now and then (as in ResPipe).

@@ -113,6 +113,7 @@ def test_all_empty_gives_zero_gradient(exchange: str) -> None:
 def test_broadcast_state_gives_every_rank_the_roots_parameters_and_momentum(optim: str) -> None:
     # What survivors do after a CSD is dropped: they continue from the host's state,
     # optimizer moments included, so one more identical update keeps them identical.
+    from mpipipe.core.state.stagestate import StageState
     from stannis.allreduce import broadcast_state
 
     comm = MPI.COMM_WORLD
@@ -130,7 +131,8 @@ def test_broadcast_state_gives_every_rank_the_roots_parameters_and_momentum(opti
     roots = comm.bcast(mine, root=0)
     if comm.Get_rank() == 1:
         assert any((a - b).abs().max().item() > 0 for a, b in zip(mine, roots, strict=True))
-    broadcast_state(comm, model, opt, steps_taken=5)
+    state = StageState(model, lambda m: None, optimizer=opt, step=5)
+    broadcast_state(comm, state)
     for p, want in zip(params, roots, strict=True):
         assert torch.equal(opt.state[p][key], want)
     common = torch.Generator().manual_seed(1)
@@ -139,7 +141,8 @@ def test_broadcast_state_gives_every_rank_the_roots_parameters_and_momentum(opti
     opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     assert torch.equal(flat, comm.bcast(flat, root=0))
-    broadcast_state(comm, model, opt, steps_taken=0)  # no step yet: no state
+    state.step = 0
+    broadcast_state(comm, state)  # no step yet: no state
     assert all(not opt.state.get(p) for p in params)
 
 
