@@ -24,11 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpipipe.core.run.cli import add_dry_run_arguments
+
+if TYPE_CHECKING:
+    from mpipipe.respipe.costmodel import StageShape
 
 __all__ = ["StagePlan", "ModelPlan", "add_parser", "plan_main", "build_plan", "format_plan"]
 
@@ -158,9 +161,8 @@ def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Model
 
     from mpipipe.core.run import recipe
     from mpipipe.core.run.chain import describe
-    from mpipipe.core.state.statecodec import layout_of
     from mpipipe.pipeline.config import chunks_per_stage
-    from mpipipe.pipeline.partition import split, stage_modules
+    from mpipipe.pipeline.partition import split
     from mpipipe.respipe.costmodel import stage_shapes
 
     in_shape = _in_shape(cfg, in_shape_arg)
@@ -182,6 +184,35 @@ def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Model
     except RuntimeError as e:  # a chunk that cannot run on this input (a wrong --in-shape)
         raise ValueError(f"model {cfg['model']['factory'] or cfg['model']['name']} does not run "
                          f"on input {in_shape}: {e}") from None
+    stages = _stage_plans(chunks, balance, k, shapes, make_optimizer)
+    return ModelPlan(
+        model=cfg["model"]["factory"] or cfg["model"]["name"],
+        input_shape=list(in_shape),
+        input_bytes=in_bytes,
+        layers=describe(model),
+        layer_params=[sum(p.numel() for p in layer.parameters()) for layer in model],
+        num_stages=k,
+        chunks_per_stage=v,
+        schedule=cfg["pipeline"]["schedule"],
+        balance=balance,
+        balance_source=cut.source,
+        optimizer=cfg["optim"]["name"],
+        stages=stages,
+        layer_costs=cut.costs,
+        measured_cuts=cut.cuts,
+    )
+
+
+def _stage_plans(chunks: Sequence[Any], balance: Sequence[int], k: int,
+                 shapes: Sequence[StageShape], make_optimizer: Callable[[Any], Any]
+                 ) -> list[StagePlan]:
+    """Per stage: its layers, parameters, buffer and optimizer bytes, the activations it
+    sends on and its replica's exact size, from the modules a run replicates."""
+    import torch
+
+    from mpipipe.core.state.statecodec import layout_of
+    from mpipipe.pipeline.partition import stage_modules
+
     starts = [sum(balance[:c]) for c in range(len(balance))]
     stages = []
     for s, module in enumerate(stage_modules(chunks, k)):  # the modules a run replicates
@@ -199,22 +230,7 @@ def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Model
             activations=list(shapes[s].chunk_acts),
             replica_bytes=lay.nbytes,
         ))
-    return ModelPlan(
-        model=cfg["model"]["factory"] or cfg["model"]["name"],
-        input_shape=list(in_shape),
-        input_bytes=in_bytes,
-        layers=describe(model),
-        layer_params=[sum(p.numel() for p in layer.parameters()) for layer in model],
-        num_stages=k,
-        chunks_per_stage=v,
-        schedule=cfg["pipeline"]["schedule"],
-        balance=balance,
-        balance_source=cut.source,
-        optimizer=cfg["optim"]["name"],
-        stages=stages,
-        layer_costs=cut.costs,
-        measured_cuts=cut.cuts,
-    )
+    return stages
 
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from mpipipe.core.run import batches
-    from mpipipe.pipeline.engine import Pipeline
+    from mpipipe.core.state.checkpoint import StageState
+    from mpipipe.pipeline.engine import Pipeline, Route
 
 __all__ = ["Setup", "setup", "agree", "read_batch",
            "train_step", "stopped",
@@ -117,15 +118,44 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     error = _static_checks(run.cfg)  # before torch is imported: a wrong config fails fast
     if error:
         run.fail(error)
-    import torch
-
-    from mpipipe.core.run import batches, recipe
-    from mpipipe.core.state import checkpoint
-    from mpipipe.pipeline.config import chunks_per_stage
+    from mpipipe.core.run import batches
     from mpipipe.pipeline.engine import Pipeline, Route
-    from mpipipe.pipeline.partition import automatic_balance, check_balance
 
     cfg, comm = run.cfg, run.comm
+    in_shape, total, eval_batches = _read_data(run)
+    model, loss_fn, schedule, made = _build_model(run, in_shape, total)
+    route = Route.from_plan(run.plan, cfg["pipeline"]["stages"])
+    my_stage = route.stage_of(run.rank)
+    state = _load_resume(run, my_stage)
+    balance, costs = _choose_balance(run, model, in_shape, state, route)
+    pipe = (pipeline_cls or Pipeline)(model, balance, cfg["pipeline"]["chunks"],
+                                      cfg["pipeline"]["schedule"], comm, route,
+                                      in_shape=in_shape,
+                                      deadline=cfg["resilience"]["deadline_s"] or None,
+                                      seed=cfg["run"]["seed"])
+    check_same_weights(run, pipe)
+    optimizer = _stage_optimizer(run, pipe, my_stage)
+    setup_ = Setup(run, model, pipe, optimizer, loss_fn, in_shape, total, schedule,
+                   eval_batches=eval_batches)
+    if pipe.first:
+        setup_.train_data = batches.TrainBatches.from_config(cfg)
+    _resume_from(setup_, state, my_stage, route)
+    run.log.expect_steps(setup_.start_step + 1, total)
+    setup_.checkpoint_dir = _checkpoint_dir(run)
+    run.log.set_attr("balance", balance)
+    if made is not None:
+        run.log.set_attr("recipe", made)
+    if costs is not None:  # what the cut was made from (partition.automatic_balance cuts it again)
+        run.log.set_attr("balance_costs", costs)
+    return setup_
+
+
+def _read_data(run: Run) -> tuple[tuple[int, int, int], int, int]:
+    """(input shape, steps of the run, test batches), read from the data set; a data
+    error stops every rank with its line, a note is printed once."""
+    from mpipipe.core.run import batches
+
+    cfg = run.cfg
     path = cfg["data"]["path"]
     try:
         in_shape = batches.image_shape(path)
@@ -138,10 +168,19 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         run.fail(e)
     if note and run.rank == 0:
         print(f"{run.prog}: note: {note}", file=sys.stderr, flush=True)
-    k, m = cfg["pipeline"]["stages"], cfg["pipeline"]["chunks"]
-    v = chunks_per_stage(cfg)  # checked in _static_checks
     run.progress.total = max(total, 1)
+    return in_shape, total, eval_batches
 
+
+def _build_model(run: Run, in_shape: tuple[int, int, int], total: int
+                 ) -> tuple[nn.Sequential, Any, Any, Any]:
+    """(model, loss, schedule, the recipe's description or None) from the recipe, after
+    the seed is set; a recipe error stops every rank."""
+    import torch
+
+    from mpipipe.core.run import recipe
+
+    cfg = run.cfg
     torch.manual_seed(cfg["run"]["seed"])
     try:
         model = run.recipe.build_model(in_shape)
@@ -159,8 +198,13 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         if not defer_batch_norm(model):
             run.fail(f"pipeline.deferred_batch_norm = true, but model {run.recipe.model_name()} "
                      f"has no BatchNorm layer: it would change nothing; leave it false")
-    route = Route.from_plan(run.plan, k)
-    my_stage = route.stage_of(run.rank)
+    return model, loss_fn, schedule, made
+
+
+def _load_resume(run: Run, my_stage: int | None) -> StageState | None:
+    """The checkpoint of this rank's stage (None without --resume or stage), once every
+    rank has read its own and all agree on step and balance."""
+    from mpipipe.core.state import checkpoint
 
     # resume: each stage reads its own file; the balance comes from the checkpoint
     state = None
@@ -172,12 +216,24 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
             error = str(e)
     agree(run, error)
     if run.request.resume:
-        seen = comm.allgather(None if state is None else (state.step, tuple(state.balance)))
+        seen = run.comm.allgather(None if state is None else (state.step, tuple(state.balance)))
         seen = {s for s in seen if s is not None}
         if len(seen) != 1:
             run.fail(f"the checkpoints in {run.request.resume} disagree on step or balance: "
                      f"{sorted(seen)}; they are not from one run")
+    return state
 
+
+def _choose_balance(run: Run, model: nn.Sequential, in_shape: tuple[int, int, int],
+                    state: StageState | None, route: Route) -> tuple[list[int], list[float] | None]:
+    """The cut into stages (the checkpoint's, the configured one or an automatic one)
+    and the per-layer costs of an automatic cut (None otherwise)."""
+    from mpipipe.pipeline.config import chunks_per_stage
+    from mpipipe.pipeline.partition import automatic_balance, check_balance
+
+    cfg, comm = run.cfg, run.comm
+    k = cfg["pipeline"]["stages"]
+    v = chunks_per_stage(cfg)  # checked in _static_checks
     balance = list(cfg["pipeline"]["balance"])
     costs: list[float] | None = None  # the per-layer costs of an automatic cut
     if state is not None or run.request.resume:
@@ -204,11 +260,13 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
                              f"pipeline.stages = {k}" + (f" x {v} chunks" if v > 1 else ""))
     except ValueError as e:
         run.fail(f"{e}")
+    return balance, costs
 
-    pipe = (pipeline_cls or Pipeline)(model, balance, m, cfg["pipeline"]["schedule"], comm, route,
-                    in_shape=in_shape, deadline=cfg["resilience"]["deadline_s"] or None,
-                    seed=cfg["run"]["seed"])
-    check_same_weights(run, pipe)
+
+def _stage_optimizer(run: Run, pipe: Pipeline, my_stage: int | None) -> torch.optim.Optimizer | None:
+    """This rank's stage's optimizer (None without a stage); agreed over all ranks."""
+    from mpipipe.core.run import recipe
+
     optimizer, error = None, None
     if pipe.stage_module is not None:
         try:  # a given optimizer may work on the whole model and fail on one stage
@@ -216,10 +274,15 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         except recipe.RecipeError as e:
             error = f"stage {my_stage}: {e}"
     agree(run, error)  # every rank stops with that line, none waits for this one
-    setup_ = Setup(run, model, pipe, optimizer, loss_fn, in_shape, total, schedule,
-                   eval_batches=eval_batches)
-    if pipe.first:
-        setup_.train_data = batches.TrainBatches.from_config(cfg)
+    return optimizer
+
+
+def _resume_from(setup_: Setup, state: StageState | None, my_stage: int | None,
+                 route: Route) -> None:
+    """Load the checkpoint's weights, optimizer and reader position into ``setup_`` and
+    set its first step (with --resume; a mismatch stops every rank)."""
+    run, pipe, optimizer = setup_.run, setup_.pipe, setup_.optimizer
+    comm, total = run.comm, setup_.total_steps
     error = None
     if state is not None:
         assert pipe.stage_module is not None
@@ -248,21 +311,19 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
         pipe.step_count = setup_.start_step
         run.log.cut_after(setup_.start_step)  # a continued log: those steps run again
         run.log.event(EventKind.RESUME, step=setup_.start_step, directory=str(run.request.resume))
-    run.log.expect_steps(setup_.start_step + 1, total)
 
+
+def _checkpoint_dir(run: Run) -> Path | None:
+    """Where checkpoints go: run.checkpoint_dir, or beside the log (every rank learns the
+    writer's log path), or ./checkpoints; None without checkpoints."""
+    cfg, comm = run.cfg, run.comm
     ckpt = cfg["run"]["checkpoint_dir"]
     if not ckpt and cfg["run"]["checkpoint_every"] > 0:
         writer = run.plan.log_rank
         log_path = run.log.path if run.rank == writer else None
         log_path = comm.bcast(str(log_path) if log_path else None, root=writer)
         ckpt = str(Path(log_path).with_suffix("")) + "-ckpt" if log_path else "checkpoints"
-    setup_.checkpoint_dir = Path(ckpt) if ckpt else None
-    run.log.set_attr("balance", balance)
-    if made is not None:
-        run.log.set_attr("recipe", made)
-    if costs is not None:  # what the cut was made from (partition.automatic_balance cuts it again)
-        run.log.set_attr("balance_costs", costs)
-    return setup_
+    return Path(ckpt) if ckpt else None
 
 
 def read_batch(s: Setup) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str | None]:
@@ -410,12 +471,7 @@ def train(run: Run) -> int:
         now = time.perf_counter()
         dt, t_prev = now - t_prev, now
         if gathered is not None:
-            losses = [f.pop("loss") for f in gathered.values() if "loss" in f]
-            loss = losses[0] if losses else math.nan
-            sps = batch / dt if dt > 0 else math.nan
-            at = log.elapsed()  # the row's time, shown by progress as the log has it
-            log.step(step + 1, time=at, loss=loss, samples=batch, samples_per_s=sps, ranks=gathered)
-            progress.update(step + 1, loss=loss, samples=batch, time=at)
+            loss = _log_step(run, step, gathered, dt)
         done = step + 1
         if (eval_every and done % eval_every == 0) or done == s.total_steps:
             accuracy, accuracy_step = evaluate(s), done
@@ -428,6 +484,27 @@ def train(run: Run) -> int:
             t_prev = time.perf_counter()
     if accuracy_step != s.total_steps:
         accuracy = evaluate(s)
+    return _finish(s, loss, accuracy)
+
+
+def _log_step(run: Run, step: int, gathered: dict[int, dict[str, float]], dt: float) -> float:
+    """The writer's row of a step (every rank's figures) and its progress line; returns
+    the step's loss, NaN when no rank reported one."""
+    log, progress, batch = run.log, run.progress, run.cfg["data"]["batch_size"]
+    losses = [f.pop("loss") for f in gathered.values() if "loss" in f]
+    loss = losses[0] if losses else math.nan
+    sps = batch / dt if dt > 0 else math.nan
+    at = log.elapsed()  # the row's time, shown by progress as the log has it
+    log.step(step + 1, time=at, loss=loss, samples=batch, samples_per_s=sps, ranks=gathered)
+    progress.update(step + 1, loss=loss, samples=batch, time=at)
+    return loss
+
+
+def _finish(s: Setup, loss: float, accuracy: float) -> int:
+    """After the last step: the summary (log, result, printed), the model for a script,
+    the log closed; returns the exit status."""
+    run = s.run
+    log, progress, comm = run.log, run.progress, run.comm
     summary = {
         "steps": s.total_steps,
         # mpipipe.core.logs.progress.throughput of the log's rows (of this session's without a log)

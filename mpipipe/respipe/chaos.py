@@ -24,12 +24,16 @@ import hashlib
 import random
 import shutil
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpipipe.tools import campaign
 from mpipipe.tools.campaign import Job, Scenario, Verdict
+
+if TYPE_CHECKING:
+    from mpipipe.core.mpi.roles import LaunchPlan
 
 __all__ = ["add_parser", "main", "judge"]
 
@@ -95,8 +99,7 @@ class _Campaign:
 
     def draw(self, rng: random.Random, index: int) -> Scenario:
         """Scenario ``index``: knobs and faults, redrawn until every fault can fire."""
-        from mpipipe.core.mpi.faults import FaultError, check_nodes, parse_all, target_rank
-        from mpipipe.core.run.cli import check_faults
+        from mpipipe.core.mpi.faults import target_rank
         from mpipipe.core.run.configfile import load_config
         from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
         from mpipipe.pipeline.plan import pipeline_plan
@@ -106,20 +109,7 @@ class _Campaign:
         r = rng.choice(REPLICATE)
         df = rng.choice(DEADLINE_FACTORS)
         n = self.args.steps or rng.choice(STEPS)
-        if mode == "neighbour":
-            backups: dict[int, int] = {}
-            table = "{}"
-        elif rng.random() < 0.5:
-            backups, table = dict.fromkeys(range(k), 1), '"all"'
-        else:
-            backups = {s: rng.choice((1, 1, 2)) for s in range(k)}
-            table = "{" + ", ".join(f"{s} = {b}" for s, b in backups.items()) + "}"
-        if self.slots and k + sum(backups.values()) > len(self.slots):
-            # On a testbed the ranks fill its slots: as many backups as there are slots
-            # left, taken from the last stages first.
-            while k + sum(backups.values()) > len(self.slots):
-                backups[max(s for s, b in backups.items() if b)] -= 1
-            table = "{" + ", ".join(f"{s} = {b}" for s, b in backups.items() if b) + "}"
+        backups, table = _draw_backups(rng, k, mode, len(self.slots))
         world = k + sum(backups.values())
         keep_cut = k == int(self.cfg["pipeline"]["stages"])
         sets = [*self.args.set, f"pipeline.stages={k}", *([] if keep_cut else ["pipeline.balance=[]"]),
@@ -135,35 +125,13 @@ class _Campaign:
         stage_ranks = [plan.ranks_of("stage", s)[0] for s in range(k)]
         hosts = ["mpt-" + node for node in self.slots[:world]]
         nodes = sorted(set(self.slots[:world]))
-        faults: list[str] = []
-        for _ in range(rng.choice((1, 1, 2, 2, 3))):
-            for _attempt in range(20):
-                if nodes and rng.random() < campaign.NODE_FAULT_P:
-                    spec = campaign.node_fault(rng, nodes, n)
-                else:
-                    spec = _fault(rng, stage_ranks, backup_ranks, mode, n, self.chunks, faults)
-                try:
-                    check_faults(cfg, plan, [*faults, spec], n)
-                    if hosts:
-                        check_nodes(parse_all([*faults, spec]), hosts, plan)
-                except FaultError:
-                    continue
-                faults.append(spec)
-                break
+        faults = _draw_faults(rng, cfg, plan, n, hosts, nodes, lambda earlier: _fault(
+            rng, stage_ranks, backup_ranks, mode, n, self.chunks, earlier))
         knobs = {"K": k, "mode": mode, "R": r, "DF": df, "N": n, "backups": table,
                  "world": world}
         targets = campaign.hit_ranks(faults, hosts, lambda f: target_rank(f, plan))
-        # A step's loss lives on three ranks (the last stage, the log's writer, the loss
-        # keeper); docs/respipe.md allows a NaN loss in a row whose three all went at
-        # once: rows S and S + 1 of a fault step S at which 3 or more ranks were hit.
-        at_once: dict[int, list[int]] = {}
-        for f, spec in zip(parse_all(faults), faults, strict=True):
-            if f.kind in ("kill", "stall", "node-kill", "partition") and not f.round:
-                at_once.setdefault(f.step, []).extend(
-                    campaign.hit_ranks([spec], hosts, lambda g: target_rank(g, plan)))
-        nan_ok = sorted({row for step, hit in at_once.items() if len(set(hit)) >= 3
-                         for row in (step, step + 1)})
-        facts = {"targets": targets, "stage_ranks": stage_ranks, "nan_ok": nan_ok,
+        facts = {"targets": targets, "stage_ranks": stage_ranks,
+                 "nan_ok": _rows_nan_allowed(faults, hosts, plan),
                  "holders": {s: sorted({*plan.ranks_of("stage", s), *plan.ranks_of("backup", s)})
                              for s in range(k)}}
         return Scenario(index, world, sets, faults, knobs, facts)
@@ -215,6 +183,70 @@ def _words(text: str, known: tuple[str, ...], option: str) -> list[str]:
     if bad or not words:
         raise ValueError(f"{option} {text!r}: choose from {', '.join(known)}")
     return words
+
+
+def _draw_backups(rng: random.Random, k: int, mode: str, slots: int) -> tuple[dict[int, int], str]:
+    """Backups per stage and their ``resilience.backups`` table: none in neighbour mode,
+    else one for every stage or a drawn 1 or 2 each; on a testbed (``slots`` > 0) no
+    more ranks than its slots."""
+    if mode == "neighbour":
+        backups: dict[int, int] = {}
+        table = "{}"
+    elif rng.random() < 0.5:
+        backups, table = dict.fromkeys(range(k), 1), '"all"'
+    else:
+        backups = {s: rng.choice((1, 1, 2)) for s in range(k)}
+        table = "{" + ", ".join(f"{s} = {b}" for s, b in backups.items()) + "}"
+    if slots and k + sum(backups.values()) > slots:
+        # On a testbed the ranks fill its slots: as many backups as there are slots
+        # left, taken from the last stages first.
+        while k + sum(backups.values()) > slots:
+            backups[max(s for s, b in backups.items() if b)] -= 1
+        table = "{" + ", ".join(f"{s} = {b}" for s, b in backups.items() if b) + "}"
+    return backups, table
+
+
+def _draw_faults(rng: random.Random, cfg: dict, plan: LaunchPlan, n: int, hosts: list[str],
+                 nodes: list[str], fault: Callable[[list[str]], str]) -> list[str]:
+    """One to three fault specs, each redrawn (up to 20 times) until it can fire with
+    the ones before it: a node fault now and then on a testbed, else ``fault(earlier)``."""
+    from mpipipe.core.mpi.faults import FaultError, check_nodes, parse_all
+    from mpipipe.core.run.cli import check_faults
+
+    faults: list[str] = []
+    for _ in range(rng.choice((1, 1, 2, 2, 3))):
+        for _attempt in range(20):
+            if nodes and rng.random() < campaign.NODE_FAULT_P:
+                spec = campaign.node_fault(rng, nodes, n)
+            else:
+                spec = fault(faults)
+            try:
+                check_faults(cfg, plan, [*faults, spec], n)
+                if hosts:
+                    check_nodes(parse_all([*faults, spec]), hosts, plan)
+            except FaultError:
+                continue
+            faults.append(spec)
+            break
+    return faults
+
+
+def _rows_nan_allowed(faults: list[str], hosts: list[str], plan: LaunchPlan) -> list[int]:
+    """The rows whose loss may be NaN.
+
+    A step's loss lives on three ranks (the last stage, the log's writer, the loss
+    keeper); docs/respipe.md allows a NaN loss in a row whose three all went at
+    once: rows S and S + 1 of a fault step S at which 3 or more ranks were hit.
+    """
+    from mpipipe.core.mpi.faults import parse_all, target_rank
+
+    at_once: dict[int, list[int]] = {}
+    for f, spec in zip(parse_all(faults), faults, strict=True):
+        if f.kind in ("kill", "stall", "node-kill", "partition") and not f.round:
+            at_once.setdefault(f.step, []).extend(
+                campaign.hit_ranks([spec], hosts, lambda g: target_rank(g, plan)))
+    return sorted({row for step, hit in at_once.items() if len(set(hit)) >= 3
+                   for row in (step, step + 1)})
 
 
 def _fault(rng: random.Random, stage_ranks: list[int], backup_ranks: list[int], mode: str,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,6 +100,27 @@ def _close_log(run: Any, status: str) -> bool:
         return False
 
 
+class _LazyReader:
+    """The training reader, opened on first use: only the ranks that read data ever open it."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        self.cfg = cfg
+        self.reader: Any = None
+
+    def open(self) -> Any:
+        from mpipipe.core.run import batches
+
+        if self.reader is None:
+            self.reader = batches.TrainBatches.from_config(self.cfg)
+        return self.reader
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.open().next()
+
+    def seek(self, step: int) -> None:
+        self.open().seek_batch(step)
+
+
 def train(run: Any) -> int:
     """`python -m mpipipe train` with ResPipe: the resilient loop on every rank; exit status.
 
@@ -106,8 +128,6 @@ def train(run: Any) -> int:
     then hands the steps to :class:`ResPipe`. A stage lost with no backup stops every
     survivor with one error line naming the stage (exit 2) and a closed, readable log.
     """
-    from mpipipe.core.mpi import stop
-    from mpipipe.core.run import batches
     from mpipipe.core.state import checkpoint
     from mpipipe.pipeline import train as plain
 
@@ -119,19 +139,7 @@ def train(run: Any) -> int:
         run.fail(e)
     if run.rank == 0:
         print(f"{run.prog}: {ft.startup_note()}", flush=True)  # even under --quiet
-    reader: list[Any] = []
-
-    def open_reader() -> Any:
-        # Opened on first use: only the ranks that read data ever open it.
-        if not reader:
-            reader.append(batches.TrainBatches.from_config(cfg))
-        return reader[0]
-
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        return open_reader().next()
-
-    def seek(step: int) -> None:
-        open_reader().seek_batch(step)
+    reader = _LazyReader(cfg)
 
     def make_opt(module: nn.Module) -> Any:
         return run.recipe.make_optimizer(module) or _NoParams()
@@ -143,7 +151,7 @@ def train(run: Any) -> int:
     error = None
     try:
         rp = ResPipe(cfg=cfg, plan=run.plan, pipe=s.pipe, make_optimizer=make_opt,
-                     loss_fn=s.loss_fn, batch_of=BatchCache(next_batch, seek=seek),
+                     loss_fn=s.loss_fn, batch_of=BatchCache(reader.next_batch, seek=reader.seek),
                      evaluate=_eval_fn(cfg, s.eval_batches), log=log,
                      progress=progress, comm=run.comm,
                      in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir, resume=resume,
@@ -154,32 +162,62 @@ def train(run: Any) -> int:
     try:
         result = rp.train(s.total_steps, cfg["run"]["eval_every"])
     except StageLost as e:
-        _close_log(run, f"failed: {e}")
-        if rp.m.members and rp.wrank == rp.m.members[0]:
-            print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
-            rp.close_lobby()  # a replaced rank waiting to rejoin leaves too
-        try:
-            rp.m.data.Barrier()  # the log is closed before any survivor exits
-        except Exception:  # noqa: BLE001 - a further failure: exit anyway
-            pass
-        # Leave without MPI_Finalize: under ULFM it runs an agreement over the world,
-        # which we saw hang now and then with a dead rank in it. The log and the
-        # checkpoints are closed files by now; mpirun reports the exit status.
-        stop.flush_and_exit(2)
+        _stage_lost(run, rp, e)
     except StopRun as e:  # a data error or a stop signal: every rank leaves, none takes over
-        if rp.is_logger:
-            stop.announce(run.prog, e, checkpoint_dir=s.checkpoint_dir
-                          if e.kind == "signal" else None)
-            _close_log(run, e.status)
-        stop.all_reach(rp.m.data, 30.0)  # the writer's line and log before anyone's exit
-        stop.flush_and_exit(e.exit_code)
+        _stopped(run, rp, e, s.checkpoint_dir)
     except Demoted as e:
-        print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
-              f"the job without sending anything", file=sys.stderr, flush=True)
-        # (a replaced log writer let go of the log: a survivor writes it now)
-        # Leave without MPI_Finalize, whose world-wide agreement would wait for ranks
-        # that have moved on (or, after a lost stage, exited with an error).
-        stop.flush_and_exit(0)
+        _demoted(run, e)
+    return _finish(run, rp, result)
+
+
+def _stage_lost(run: Any, rp: ResPipe, e: StageLost) -> None:
+    """A stage lost with no backup: the log closed, one error line, exit 2 on every survivor."""
+    from mpipipe.core.mpi import stop
+
+    _close_log(run, f"failed: {e}")
+    if rp.m.members and rp.wrank == rp.m.members[0]:
+        print(f"{run.prog}: error: {e}", file=sys.stderr, flush=True)
+        rp.close_lobby()  # a replaced rank waiting to rejoin leaves too
+    try:
+        rp.m.data.Barrier()  # the log is closed before any survivor exits
+    except Exception:  # noqa: BLE001 - a further failure: exit anyway
+        pass
+    # Leave without MPI_Finalize: under ULFM it runs an agreement over the world,
+    # which we saw hang now and then with a dead rank in it. The log and the
+    # checkpoints are closed files by now; mpirun reports the exit status.
+    stop.flush_and_exit(2)
+
+
+def _stopped(run: Any, rp: ResPipe, e: StopRun, checkpoint_dir: Path | None) -> None:
+    """A data error or a stop signal: the writer's line and log, then every rank leaves."""
+    from mpipipe.core.mpi import stop
+
+    if rp.is_logger:
+        stop.announce(run.prog, e, checkpoint_dir=checkpoint_dir
+                      if e.kind == "signal" else None)
+        _close_log(run, e.status)
+    stop.all_reach(rp.m.data, 30.0)  # the writer's line and log before anyone's exit
+    stop.flush_and_exit(e.exit_code)
+
+
+def _demoted(run: Any, e: Demoted) -> None:
+    """This rank was late and replaced: one line, and it leaves (exit 0)."""
+    from mpipipe.core.mpi import stop
+
+    print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
+          f"the job without sending anything", file=sys.stderr, flush=True)
+    # (a replaced log writer let go of the log: a survivor writes it now)
+    # Leave without MPI_Finalize, whose world-wide agreement would wait for ranks
+    # that have moved on (or, after a lost stage, exited with an error).
+    stop.flush_and_exit(0)
+
+
+def _finish(run: Any, rp: ResPipe, result: Mapping[str, Any]) -> int:
+    """A completed run: the model for a script, the summary and the closed log on the
+    writer, the exit status every rank agrees on; returns it (or leaves with it)."""
+    from mpipipe.core.mpi import stop
+
+    log, progress = run.log, run.progress
     if run.request.api:  # a script gets the model back on the writer (mpipipe.train)
         run.final_state = _final_state(rp)
     code = 0

@@ -90,9 +90,50 @@ def decide(reports: Mapping[int, StateReport], view: View, settings: Settings) -
     ``reports``: world rank -> its report, for every rank heard (the coordinator's
     own included). Of ``settings``, ``mode`` and the configured ``backups`` are read.
     """
-    mode, configured = settings.mode, settings.backups
-    heard = reports
+    mode, heard = settings.mode, reports
     members = sorted(heard)
+    lost, route, promoted, lost_stage, merge = _replace_lost(heard, view, mode)
+    holders_now = _holders_now(heard, view, promoted, merge, mode)
+    P = _replay_step(heard, members, holders_now)
+    choices, lost_stage, merge = _replica_choices(heard, holders_now, P, lost_stage, merge)
+    shrink = any(w in view.dead for w in view.members if w not in heard) and \
+        not any(w not in view.dead for w in view.silent)
+    first = min((heard[w] for w in members if heard[w].reason in ("late", "failed")),
+                key=lambda r: r.t_detect, default=heard[members[0]])
+    if merge >= 0:
+        route = [w for i, w in enumerate(route) if i != merge]
+    backups = {k: [b for b in view.backups.get(k, []) if b in heard and b not in route]
+               for k in range(len(route))}
+    admit, admit_stage = -1, -1
+    if first.reason == "rejoin" and not lost and merge < 0 and not shrink \
+            and not view.silent and first.suspect not in heard:
+        admit = first.suspect
+        admit_stage = _admit_stage(backups, settings.backups, view.homes[admit])
+        backups[admit_stage].append(admit)
+        members = sorted([*members, admit])
+    go_on = bool(promoted) and lost_stage < 0 and merge < 0 and admit < 0 and \
+        can_go_on(heard, route, backups, promoted, view, mode)
+    if go_on:
+        P = min(heard[w].done for w in route)
+        choices = {k: P for k in promoted}
+    return Decision(
+        gen=view.gen + 1, step=P, go_on=go_on, lost_stage=lost_stage, merge=merge,
+        shrink=shrink, reason=first.reason, suspect=first.suspect, t_detect=first.t_detect,
+        waited_s=first.waited_s, members=tuple(members), route=tuple(route),
+        choices=dict(sorted(choices.items())), silent=tuple(view.silent), admit=admit,
+        admit_stage=admit_stage, backups={k: tuple(bs) for k, bs in backups.items()},
+        log=_log_writer(view, route, members))
+
+
+def _replace_lost(heard: Mapping[int, StateReport], view: View, mode: str
+                  ) -> tuple[list[int], list[int], dict[int, int], int, int]:
+    """The stages whose server was not heard, and how each is replaced.
+
+    Returns (lost, route, promoted, lost_stage, merge): a lost stage's first heard
+    backup takes its place in ``route`` (``promoted``); in neighbour mode a single
+    lost stage with a live holder is merged into its neighbour (``merge``); the first
+    stage that cannot be replaced is ``lost_stage`` (-1: none).
+    """
     lost: list[int] = [k for k in range(len(view.route)) if view.route[k] not in heard]
     route = list(view.route)
     promoted: dict[int, int] = {}
@@ -111,13 +152,26 @@ def decide(reports: Mapping[int, StateReport], view: View, settings: Settings) -
             break
         promoted[k] = cands[0]
         route[k] = cands[0]
-    stage_done = [heard[w].done for w in members if not heard[w].backup]
-    floor = min(stage_done) if stage_done else 0
-    P = floor
+    return lost, route, promoted, lost_stage, merge
+
+
+def _holders_now(heard: Mapping[int, StateReport], view: View, promoted: Mapping[int, int],
+                 merge: int, mode: str) -> dict[int, int]:
+    """Stage -> the world rank whose replica restores it: the promoted backups, and
+    the merged stage's live neighbour."""
     holders_now = dict(promoted)
     if merge >= 0:
         holders_now[merge] = [h for h in stage_holders(merge, view.route, view.backups, mode)
                               if h in heard][0]
+    return holders_now
+
+
+def _replay_step(heard: Mapping[int, StateReport], members: Sequence[int],
+                 holders_now: Mapping[int, int]) -> int:
+    """The step P every rank goes back to: the lowest step a serving rank has done."""
+    stage_done = [heard[w].done for w in members if not heard[w].backup]
+    floor = min(stage_done) if stage_done else 0
+    P = floor
     # One step back to a holder's replica (the replica of ``floor`` was still on its way),
     # if every stage can go back with it: a rank rolls back one step at most (it keeps
     # the snapshots of its last two steps), so not when a stage is already a step ahead
@@ -128,6 +182,16 @@ def decide(reports: Mapping[int, StateReport], view: View, settings: Settings) -
         have = {heard[b].latest, heard[b].prev}
         if floor not in have and floor - 1 in have and even:
             P = floor - 1
+    return P
+
+
+def _replica_choices(heard: Mapping[int, StateReport], holders_now: Mapping[int, int], P: int,
+                     lost_stage: int, merge: int) -> tuple[dict[int, int], int, int]:
+    """Stage -> the replica step its holder starts from (P, or its newest up to P).
+
+    Returns (choices, lost_stage, merge): a merged stage whose neighbour holds no
+    replica of it is lost instead.
+    """
     choices = {}
     for k, b in holders_now.items():
         have = sorted(c for c in (heard[b].latest, heard[b].prev) if 0 <= c <= P)
@@ -137,44 +201,30 @@ def decide(reports: Mapping[int, StateReport], view: View, settings: Settings) -
             lost_stage, merge = k, -1
             continue
         choices[k] = P if P in have else (have[-1] if have else 0)
-    shrink = any(w in view.dead for w in view.members if w not in heard) and \
-        not any(w not in view.dead for w in view.silent)
-    first = min((heard[w] for w in members if heard[w].reason in ("late", "failed")),
-                key=lambda r: r.t_detect, default=heard[members[0]])
-    if merge >= 0:
-        route = [w for i, w in enumerate(route) if i != merge]
-    backups = {k: [b for b in view.backups.get(k, []) if b in heard and b not in route]
-               for k in range(len(route))}
-    reason = first.reason
-    admit, admit_stage = -1, -1
-    if reason == "rejoin" and not lost and merge < 0 and not shrink \
-            and not view.silent and first.suspect not in heard:
-        # The replaced rank comes back as a backup of the stage furthest below its
-        # configured number of backups (then: the fewest, the rank's own stage).
-        admit = first.suspect
-        own = view.homes[admit]
-        admit_stage = min(range(len(route)), key=lambda k: (
-            len(backups[k]) - configured.get(k, 0), len(backups[k]), k != own, k))
-        backups[admit_stage].append(admit)
-        members = sorted([*members, admit])
-    # The log's writer stays unless it left; then the lowest surviving stage writes it
-    # (a stage before this round: it has its own figures of the steps before P, and
-    # reports every step after).
-    log_w = view.log if view.log in members else \
+    return choices, lost_stage, merge
+
+
+def _admit_stage(backups: Mapping[int, Sequence[int]], configured: Mapping[int, int],
+                 own: int) -> int:
+    """The stage a rejoining rank backs up.
+
+    The replaced rank comes back as a backup of the stage furthest below its
+    configured number of backups (then: the fewest, the rank's own stage).
+    """
+    return min(range(len(backups)), key=lambda k: (
+        len(backups[k]) - configured.get(k, 0), len(backups[k]), k != own, k))
+
+
+def _log_writer(view: View, route: Sequence[int], members: Sequence[int]) -> int:
+    """The world rank writing the log after this round.
+
+    The log's writer stays unless it left; then the lowest surviving stage writes it
+    (a stage before this round: it has its own figures of the steps before P, and
+    reports every step after).
+    """
+    return view.log if view.log in members else \
         min([w for w in view.route if w in members]
             or [w for w in route if w in members] or members)
-    go_on = bool(promoted) and lost_stage < 0 and merge < 0 and admit < 0 and \
-        can_go_on(heard, route, backups, promoted, view, mode)
-    if go_on:
-        P = min(heard[w].done for w in route)
-        choices = {k: P for k in promoted}
-    return Decision(
-        gen=view.gen + 1, step=P, go_on=go_on, lost_stage=lost_stage, merge=merge,
-        shrink=shrink, reason=reason, suspect=first.suspect, t_detect=first.t_detect,
-        waited_s=first.waited_s, members=tuple(members), route=tuple(route),
-        choices=dict(sorted(choices.items())), silent=tuple(view.silent), admit=admit,
-        admit_stage=admit_stage, backups={k: tuple(bs) for k, bs in backups.items()},
-        log=log_w)
 
 
 def can_go_on(heard: Mapping[int, StateReport], route: Sequence[int],

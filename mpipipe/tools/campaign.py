@@ -25,10 +25,10 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from mpipipe.tools.emulator import Testbed, TestbedError, load, running
 from mpipipe.tools.launch import JobTimeout, run_mpi
@@ -393,34 +393,50 @@ def campaign(args: argparse.Namespace, *, prog: str, argv: Sequence[str],
             scenario = draw(random.Random(f"{args.seed}:{i}"), i)
             job, verdict = execute(scenario, folder)
             tally[verdict.name] = tally.get(verdict.name, 0) + 1
-            row = {"index": i, "seed": args.seed, "verdict": verdict.name, "why": verdict.why,
-                   "wall_s": round(job.wall_s, 2), "rc": job.rc, "world": scenario.world,
-                   "knobs": scenario.knobs, "faults": scenario.faults, "sets": scenario.sets,
-                   "log": str(job.log), "rerun": _rerun(prog, argv, args.seed, i)}
-            rows.append(row)
-            lines.write(json.dumps(row) + "\n")
-            lines.flush()
-            if args.json:
-                print(json.dumps(row), flush=True)
-            else:
-                print(f"{i:>3}  {verdict.name:<10} {job.wall_s:>7.1f}  {scenario.describe()}"
-                      + (f"\n{'':>23}{verdict.why}" if verdict.why and verdict.bad else ""),
-                      flush=True)
+            rows.append(_record(lines, args, i, scenario, job, verdict,
+                                _rerun(prog, argv, args.seed, i)))
     bad = sum(n for v, n in tally.items() if v in BAD)
     if not args.json:
-        walls = sorted(r["wall_s"] for r in rows)
-        median = walls[len(walls) // 2] if walls else 0.0
-        print("tally: " + ", ".join(f"{v} {tally.get(v, 0)}" for v in (*GOOD, *BAD)
-                                    if tally.get(v, 0) or v in BAD)
-              + f"; {len(rows)} run(s) in {time.monotonic() - t0:.0f} s, median "
-                f"{median:.1f} s a run", flush=True)
-        print(f"JSON lines: {jsonl}", flush=True)
-        for r in rows:
-            if r["verdict"] in BAD:
-                print(f"rerun #{r['index']}: {r['rerun']}", flush=True)
+        _print_tally(tally, rows, time.monotonic() - t0, jsonl)
     if not keep and not bad:
         shutil.rmtree(folder, ignore_errors=True)
     return 1 if bad else 0
+
+
+def _record(lines: TextIO, args: argparse.Namespace, i: int, scenario: Scenario, job: Job,
+            verdict: Verdict, rerun: str) -> dict[str, Any]:
+    """Scenario ``i``'s row, written to the JSON lines at once (a campaign cut short
+    keeps every row run), then printed as it is (--json) or as a line of the table
+    (with the reason of a bad verdict below it)."""
+    row = {"index": i, "seed": args.seed, "verdict": verdict.name, "why": verdict.why,
+           "wall_s": round(job.wall_s, 2), "rc": job.rc, "world": scenario.world,
+           "knobs": scenario.knobs, "faults": scenario.faults, "sets": scenario.sets,
+           "log": str(job.log), "rerun": rerun}
+    lines.write(json.dumps(row) + "\n")
+    lines.flush()
+    if args.json:
+        print(json.dumps(row), flush=True)
+    else:
+        print(f"{i:>3}  {verdict.name:<10} {job.wall_s:>7.1f}  {scenario.describe()}"
+              + (f"\n{'':>23}{verdict.why}" if verdict.why and verdict.bad else ""),
+              flush=True)
+    return row
+
+
+def _print_tally(tally: Mapping[str, int], rows: Sequence[Mapping[str, Any]], elapsed: float,
+                 jsonl: Path) -> None:
+    """The table's end: the verdicts counted, the JSON lines' file, and the command that
+    reruns each bad scenario."""
+    walls = sorted(r["wall_s"] for r in rows)
+    median = walls[len(walls) // 2] if walls else 0.0
+    print("tally: " + ", ".join(f"{v} {tally.get(v, 0)}" for v in (*GOOD, *BAD)
+                                if tally.get(v, 0) or v in BAD)
+          + f"; {len(rows)} run(s) in {elapsed:.0f} s, median "
+            f"{median:.1f} s a run", flush=True)
+    print(f"JSON lines: {jsonl}", flush=True)
+    for r in rows:
+        if r["verdict"] in BAD:
+            print(f"rerun #{r['index']}: {r['rerun']}", flush=True)
 
 
 def python_argv(command: str, *, config: str, sets: Sequence[str], faults: Sequence[str],

@@ -169,9 +169,25 @@ def parse(spec: str) -> Fault:
     kind = parts[0].lower()
     if kind not in KINDS:
         raise _fail(spec, f"unknown fault kind {parts[0]!r} (known: {', '.join(KINDS)})")
+    values = _read_values(spec, kind, parts[1:])
+    _check_values(spec, kind, values)
+    if kind == "stall":
+        values.setdefault("seconds", DEFAULT_STALL_S)
+    if kind == "partition":
+        values.setdefault("seconds", DEFAULT_PARTITION_S)
+        if values["seconds"] <= 0:
+            raise _fail(spec, "seconds must be > 0 (how long the link stays down)", kind)
+    if "build" in values:
+        values["build"] = bool(values["build"])
+    return Fault(kind=kind, **{k: v for k, v in values.items()})  # type: ignore[arg-type]
+
+
+def _read_values(spec: str, kind: str, parts: Sequence[str]) -> dict[str, float | int]:
+    """The spec's ``key=value`` parts, each a key its kind allows, given once, read as a
+    number (a node: its name without the mpt- prefix)."""
     spec_kind = FAULT_KINDS[kind]
     values: dict[str, float | int] = {}
-    for part in parts[1:]:
+    for part in parts:
         if "=" not in part:
             raise _fail(spec, f"{part!r} is not key=value", kind)
         key, raw = (s.strip().lower() for s in part.split("=", 1))
@@ -193,6 +209,12 @@ def parse(spec: str) -> Fault:
         except ValueError:
             what = "an integer" if key in _INT_KEYS else "a number"
             raise _fail(spec, f"{key}={raw!r} is not {what}", kind) from None
+    return values
+
+
+def _check_values(spec: str, kind: str, values: Mapping[str, float | int]) -> None:
+    """One target, every required key, and each value in its range and company."""
+    spec_kind = FAULT_KINDS[kind]
     if not spec_kind.on_node and ("stage" in values) == ("rank" in values):
         raise _fail(spec, "name exactly one target, stage=K or rank=R", kind)
     missing = spec_kind.required - set(values)
@@ -214,15 +236,6 @@ def parse(spec: str) -> Fault:
         raise _fail(spec, "seconds must be >= 0", kind)
     if kind == "slow" and values["factor"] < 1.0:
         raise _fail(spec, "factor must be >= 1 (1 = normal speed)", kind)
-    if kind == "stall":
-        values.setdefault("seconds", DEFAULT_STALL_S)
-    if kind == "partition":
-        values.setdefault("seconds", DEFAULT_PARTITION_S)
-        if values["seconds"] <= 0:
-            raise _fail(spec, "seconds must be > 0 (how long the link stays down)", kind)
-    if "build" in values:
-        values["build"] = bool(values["build"])
-    return Fault(kind=kind, **{k: v for k, v in values.items()})  # type: ignore[arg-type]
 
 
 def parse_all(specs: Iterable[str]) -> list[Fault]:
@@ -262,40 +275,59 @@ def check_reachable(faults: Sequence[Fault], plan: LaunchPlan, *, steps: int | N
     world = plan.world_size
     stages = sorted({role.index for role in plan.roles if role.kind == "stage"})
     for f in faults:
-        if f.rank is not None and not 0 <= f.rank < world:
-            raise _never(f, f"there is no rank {f.rank} (the MPI world has ranks 0..{world - 1})")
-        if f.stage is not None and f.stage not in stages:
-            have = f"stages 0..{stages[-1]}" if stages else "no stages"
-            raise _never(f, f"stage {f.stage} does not exist (the plan has {have})")
-        if steps is not None and f.step >= steps:
-            what = "starts at" if f.kind in ("delay", "slow") else "is due at"
-            raise _never(f, f"it {what} step {f.step}, beyond the run (run.steps = {steps}: "
-                            f"steps 0..{steps - 1})")
-        if chunks is not None and f.micro >= chunks:
-            raise _never(f, f"micro-batch {f.micro} does not exist (pipeline.chunks = {chunks}: "
-                            f"micro-batches 0..{chunks - 1})")
-        if f.kind == "delay" and f.p == 0:
-            raise _never(f, "p=0")
-        if f.kind == "slow" and f.factor == 1:
-            raise _never(f, "factor=1 slows nothing")
-        role = plan.role_of(f.rank) if f.rank is not None else None
-        if role is not None and role.kind == "spare":
-            raise _never(f, f"rank {f.rank} is a spare, which idles outside the job; aim it "
-                            "at a stage or a backup")
-        if role is not None and role.kind == "backup":
-            if f.kind == "slow":
-                raise _never(f, f"rank {f.rank} is a backup of stage {role.index}, which "
-                                "computes nothing to slow down; aim it at a stage")
-            if f.micro >= 0 and mode != "hot":
-                raise _never(f, f"rank {f.rank} is a backup of stage {role.index}: in "
-                                f"{mode or 'cold'} mode it runs no micro-batch; drop micro=")
-        if f.round and (mode is None or not plan.ranks_of("backup") and mode != "neighbour"):
-            raise _never(f, "round=1 fires inside a ResPipe recovery round, and this job "
-                            "runs none (no backups, and not neighbour mode)")
-    # A fault on a rank that an earlier kill has ended: (step, micro) orders them, -1
-    # (the start of a step) before micro-batch 0; at the same point, listing order. A
-    # kill in a round may come at any step from its own: nothing may aim at its target
-    # from that step on.
+        _check_bounds(f, world, stages, steps, chunks)
+        _check_role(f, plan, mode)
+    _check_kill_order(faults, plan)
+
+
+def _check_bounds(f: Fault, world: int, stages: Sequence[int], steps: int | None,
+                  chunks: int | None) -> None:
+    """A fault's rank, stage, step and micro-batch exist in this run, and it changes something."""
+    if f.rank is not None and not 0 <= f.rank < world:
+        raise _never(f, f"there is no rank {f.rank} (the MPI world has ranks 0..{world - 1})")
+    if f.stage is not None and f.stage not in stages:
+        have = f"stages 0..{stages[-1]}" if stages else "no stages"
+        raise _never(f, f"stage {f.stage} does not exist (the plan has {have})")
+    if steps is not None and f.step >= steps:
+        what = "starts at" if f.kind in ("delay", "slow") else "is due at"
+        raise _never(f, f"it {what} step {f.step}, beyond the run (run.steps = {steps}: "
+                        f"steps 0..{steps - 1})")
+    if chunks is not None and f.micro >= chunks:
+        raise _never(f, f"micro-batch {f.micro} does not exist (pipeline.chunks = {chunks}: "
+                        f"micro-batches 0..{chunks - 1})")
+    if f.kind == "delay" and f.p == 0:
+        raise _never(f, "p=0")
+    if f.kind == "slow" and f.factor == 1:
+        raise _never(f, "factor=1 slows nothing")
+
+
+def _check_role(f: Fault, plan: LaunchPlan, mode: str | None) -> None:
+    """A fault on a rank does what its role (spare, backup) lets it do; a fault in a
+    recovery round needs a job that runs rounds."""
+    role = plan.role_of(f.rank) if f.rank is not None else None
+    if role is not None and role.kind == "spare":
+        raise _never(f, f"rank {f.rank} is a spare, which idles outside the job; aim it "
+                        "at a stage or a backup")
+    if role is not None and role.kind == "backup":
+        if f.kind == "slow":
+            raise _never(f, f"rank {f.rank} is a backup of stage {role.index}, which "
+                            "computes nothing to slow down; aim it at a stage")
+        if f.micro >= 0 and mode != "hot":
+            raise _never(f, f"rank {f.rank} is a backup of stage {role.index}: in "
+                            f"{mode or 'cold'} mode it runs no micro-batch; drop micro=")
+    if f.round and (mode is None or not plan.ranks_of("backup") and mode != "neighbour"):
+        raise _never(f, "round=1 fires inside a ResPipe recovery round, and this job "
+                        "runs none (no backups, and not neighbour mode)")
+
+
+def _check_kill_order(faults: Sequence[Fault], plan: LaunchPlan) -> None:
+    """No fault aims at a rank that an earlier kill has ended.
+
+    A fault on a rank that an earlier kill has ended: (step, micro) orders them, -1
+    (the start of a step) before micro-batch 0; at the same point, listing order. A
+    kill in a round may come at any step from its own: nothing may aim at its target
+    from that step on.
+    """
     for i, kill in enumerate(faults):
         if kill.kind != "kill":
             continue

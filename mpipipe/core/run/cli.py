@@ -263,9 +263,40 @@ def start_run(
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    # The one check whose verdict can differ between ranks (it reads each rank's launcher
-    # environment): every rank learns every verdict, so a rank that alone finds a mismatch
-    # cannot leave, silently, while the others wait for it in their first collective.
+    _check_world(comm, size, prog, rank)
+    cfg, made, plan, total = _checked_config(request, comm, size, prog, defaults, choices,
+                                             build_plan, inject_key, total_steps)
+    section, key = inject_key
+    hosts = _checked_hosts(comm, cfg, plan, cfg[section][key], check_hosts, prog)
+    writer = plan.log_rank
+    path, mode = _log_choice(comm, request, writer, prog, system)
+
+    import torch
+
+    torch.set_num_threads(max(1, int(cfg["run"].get("threads", 1))))
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg["run"].get("threads", 1)))
+    # The configuration as it is used: keys a script's object replaced are left
+    # out (Recipe.stored_config); the setup records what runs as `recipe`.
+    log, where = _open_log(comm, writer, prog, system, path, mode, lambda: dict(
+        config=made.stored_config(), emulation=emulation(cfg, plan) if emulation else None,
+        attrs={"plan": plan.describe(), "hosts": hosts}))
+    _install_guards(comm, rank, cfg, hosts, log, where, prog)
+    if total > 0:
+        log.expect_steps(1, total)
+    progress = Progress(total, enabled=(rank == writer), quiet=request.quiet,
+                        every=cfg["run"].get("log_every", 10), prog=prog)
+    if rank == writer:
+        progress.startup(startup_line(size, plan.roles, hosts, where))
+    return Run(comm, rank, size, cfg, plan, log, progress, request, prog, made)
+
+
+def _check_world(comm: Any, size: int, prog: str, rank: int) -> None:
+    """The MPI world against the launcher's plan, agreed by every rank.
+
+    The one check whose verdict can differ between ranks (it reads each rank's launcher
+    environment): every rank learns every verdict, so a rank that alone finds a mismatch
+    cannot leave, silently, while the others wait for it in their first collective.
+    """
     try:
         check_world_size(size)
         mismatch = None
@@ -274,6 +305,16 @@ def start_run(
     mismatch = next((m for m in comm.allgather(mismatch) if m), None)
     if mismatch:
         fail_fast(comm, mismatch, prog, rank)
+
+
+def _checked_config(request: Request, comm: Any, size: int, prog: str,
+                    defaults: Mapping[str, Mapping[str, Any]],
+                    choices: Mapping[str, tuple[str, ...]] | None,
+                    build_plan: Callable[[dict, int], LaunchPlan], inject_key: tuple[str, str],
+                    total_steps: Callable[[dict], int]
+                    ) -> tuple[dict, recipe.Recipe, LaunchPlan, int]:
+    """(configuration, recipe, launch plan, steps of the run), every one checked, with
+    the injected faults; any error stops every rank with its line."""
     try:
         cfg = load_config(request.config, list(request.settings), defaults, choices)
         section, key = inject_key
@@ -288,20 +329,36 @@ def start_run(
         total = total_steps(cfg)
         check_faults(cfg, plan, list(cfg[section][key]), total)
     except (ConfigError, PlanError, FaultError) as e:
-        fail_fast(comm, e, prog, rank)
-    # Each rank's node: the system checks where its ranks run (check_hosts), and a node
-    # fault must name a testbed node some rank runs on (faults.check_nodes).
+        fail_fast(comm, e, prog, comm.Get_rank())
+    return cfg, made, plan, total
+
+
+def _checked_hosts(comm: Any, cfg: dict, plan: LaunchPlan, specs: Sequence[str],
+                   check_hosts: Callable[[LaunchPlan, Sequence[str], dict], None] | None,
+                   prog: str) -> list[str]:
+    """Every rank's node (host name), by rank, once checked.
+
+    Each rank's node: the system checks where its ranks run (check_hosts), and a node
+    fault must name a testbed node some rank runs on (faults.check_nodes).
+    """
     hosts = comm.allgather(socket.gethostname())
     try:
         if check_hosts is not None:
             check_hosts(plan, hosts, cfg)
-        check_nodes(parse_all(cfg[section][key]), hosts, plan)
+        check_nodes(parse_all(specs), hosts, plan)
     except (PlanError, FaultError) as e:
-        fail_fast(comm, e, prog, rank)
+        fail_fast(comm, e, prog, comm.Get_rank())
+    return hosts
 
-    # The writer decides about the file (it may be the only rank that sees it), and
-    # every rank learns the verdict, so that a refusal stops all of them at once.
-    writer = plan.log_rank
+
+def _log_choice(comm: Any, request: Request, writer: int, prog: str, system: str
+                ) -> tuple[Path | None, str | None]:
+    """The log's path and how it is opened (on the writer; None elsewhere).
+
+    The writer decides about the file (it may be the only rank that sees it), and
+    every rank learns the verdict, so that a refusal stops all of them at once.
+    """
+    rank = comm.Get_rank()
     path = mode = error = None
     if rank == writer:
         path = Path(request.log) if request.log else own_log(request.resume) or default_log_path(system)
@@ -312,25 +369,27 @@ def start_run(
     error = comm.bcast(error, root=writer)
     if error:
         fail_fast(comm, error, prog, rank)
+    return path, mode
 
-    import torch
 
-    torch.set_num_threads(max(1, int(cfg["run"].get("threads", 1))))
-    os.environ.setdefault("OMP_NUM_THREADS", str(cfg["run"].get("threads", 1)))
+def _open_log(comm: Any, writer: int, prog: str, system: str, path: Path | None, mode: str | None,
+              header: Callable[[], dict[str, Any]]) -> tuple[RunLog, str | None]:
+    """The run log (the writer's file; a null log that knows where it is elsewhere) and
+    its resolved path. ``header()``: the log's config, emulation and attrs, made on
+    the writer only.
 
-    # The writer opens the log; everyone learns whether that worked, so a bad path
-    # stops all ranks instead of leaving the others waiting for the writer.
-    # The others learn the file and its start time too, so that a survivor can take
-    # the log over if the writer dies (ResPipe).
+    The writer opens the log; everyone learns whether that worked, so a bad path
+    stops all ranks instead of leaving the others waiting for the writer.
+    The others learn the file and its start time too, so that a survivor can take
+    the log over if the writer dies (ResPipe).
+    """
+    rank = comm.Get_rank()
     log: RunLog = RunLog.null()
+    error = None
     if rank == writer:
         assert path is not None and mode is not None
         try:
-            # The configuration as it is used: keys a script's object replaced are left
-            # out (Recipe.stored_config); the setup records what runs as `recipe`.
-            log = RunLog(path, system=system, config=made.stored_config(), comm_size=size,
-                         emulation=emulation(cfg, plan) if emulation else None,
-                         attrs={"plan": plan.describe(), "hosts": hosts}, mode=mode)
+            log = RunLog(path, system=system, comm_size=comm.Get_size(), mode=mode, **header())
         except (OSError, LogError) as e:
             error = f"cannot write the run log {path}: {e}"
     error, where, start = comm.bcast((error, str(log.path.resolve()) if log.active else None,
@@ -339,23 +398,24 @@ def start_run(
         fail_fast(comm, error, prog, rank)
     if rank != writer:
         log = RunLog.null(where, start, system=system)
+    return log, where
+
+
+def _install_guards(comm: Any, rank: int, cfg: dict, hosts: Sequence[str], log: RunLog,
+                    where: str | None, prog: str) -> None:
+    """The watchdog and the stop signals' handlers.
+
+    A rank that makes no progress for run.watchdog_s ends the job, saying where
+    (mpipipe.core.mpi.watchdog); its stack goes beside the log.
+    """
     from mpipipe.core.mpi import stop, watchdog
 
-    # A rank that makes no progress for run.watchdog_s ends the job, saying where
-    # (mpipipe.core.mpi.watchdog); its stack goes beside the log.
     watchdog.install(watchdog.Watchdog(
         rank=rank, seconds=float(cfg["run"].get("watchdog_s", 0.0)),
         stacks=Path(f"{where}.stacks") if where else Path(f"stacks-{os.getpid()}"),
         prog=prog, holds_log=lambda: log.active, close_log=lambda status: log.close(status),
         abort=comm.Abort))
     stop.install(hosts)  # SIGINT, SIGTERM, SIGUSR1: stop at the next step boundary (mpipipe.core.mpi.stop)
-    if total > 0:
-        log.expect_steps(1, total)
-    progress = Progress(total, enabled=(rank == writer), quiet=request.quiet,
-                        every=cfg["run"].get("log_every", 10), prog=prog)
-    if rank == writer:
-        progress.startup(startup_line(size, plan.roles, hosts, where))
-    return Run(comm, rank, size, cfg, plan, log, progress, request, prog, made)
 
 
 def gather_figures(comm: Any, figures: Mapping[str, float], root: int = 0) -> dict[int, dict[str, float]] | None:
