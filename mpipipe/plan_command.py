@@ -7,7 +7,7 @@ This command builds the model exactly as a training run does (same configuration
 loader, seed and :meth:`mpipipe.core.run.recipe.Recipe.build_model`), cuts it with the run's
 partitioner, and prints every layer of the chain and, per stage, its layers, parameter
 count, buffer bytes, the activation bytes it sends on and the exact bytes of its replica
-(:func:`mpipipe.core.state.statecodec.layout_of`, the size of the message a backup receives).
+(:attr:`mpipipe.core.state.stagestate.StageState.layout`, the size of the message a backup receives).
 It needs no MPI and never imports mpi4py.
 
 When ``pipeline.balance`` is empty the cut is the run's own: the dry run calls the
@@ -210,13 +210,13 @@ def _stage_plans(chunks: Sequence[Any], balance: Sequence[int], k: int,
     sends on and its replica's exact size, from the modules a run replicates."""
     import torch
 
-    from mpipipe.core.state.statecodec import layout_of
+    from mpipipe.core.state.stagestate import StageState
     from mpipipe.pipeline.partition import stage_modules
 
     starts = [sum(balance[:c]) for c in range(len(balance))]
     stages = []
     for s, module in enumerate(stage_modules(chunks, k)):  # the modules a run replicates
-        lay = layout_of(module, make_optimizer(module))
+        lay = StageState(module, make_optimizer).layout
         buffers = sum(t.numel() * t.element_size() for t in module.state_dict(keep_vars=True).values()
                       if not isinstance(t, torch.nn.Parameter))
         mine = range(s, len(balance), k)

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from mpipipe.core.run import batches
-    from mpipipe.core.state.checkpoint import StageState
+    from mpipipe.core.state.checkpoint import Checkpoint
+    from mpipipe.core.state.stagestate import StageState
     from mpipipe.pipeline.engine import Pipeline, Route
 
 __all__ = ["Setup", "setup", "agree", "read_batch",
@@ -39,7 +40,7 @@ class Setup:
     run: Run
     model: nn.Sequential
     pipe: Pipeline
-    optimizer: torch.optim.Optimizer | None
+    state: StageState | None  # this rank's stage: its module, optimizer and step
     loss_fn: Any
     in_shape: tuple[int, int, int]
     total_steps: int
@@ -49,6 +50,11 @@ class Setup:
     eval_batches: int = 0
     checkpoint_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The stage's optimizer (None on a rank without a stage)."""
+        return self.state.optimizer if self.state is not None else None
 
 
 def check_same_weights(run: Run, pipe: Pipeline) -> None:
@@ -134,8 +140,8 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
                                       deadline=cfg["resilience"]["deadline_s"] or None,
                                       seed=cfg["run"]["seed"])
     check_same_weights(run, pipe)
-    optimizer = _stage_optimizer(run, pipe, my_stage)
-    setup_ = Setup(run, model, pipe, optimizer, loss_fn, in_shape, total, schedule,
+    stage_state = _stage_state(run, pipe, my_stage)
+    setup_ = Setup(run, model, pipe, stage_state, loss_fn, in_shape, total, schedule,
                    eval_batches=eval_batches)
     if pipe.first:
         setup_.train_data = batches.TrainBatches.from_config(cfg)
@@ -201,7 +207,7 @@ def _build_model(run: Run, in_shape: tuple[int, int, int], total: int
     return model, loss_fn, schedule, made
 
 
-def _load_resume(run: Run, my_stage: int | None) -> StageState | None:
+def _load_resume(run: Run, my_stage: int | None) -> Checkpoint | None:
     """The checkpoint of this rank's stage (None without --resume or stage), once every
     rank has read its own and all agree on step and balance."""
     from mpipipe.core.state import checkpoint
@@ -225,7 +231,7 @@ def _load_resume(run: Run, my_stage: int | None) -> StageState | None:
 
 
 def _choose_balance(run: Run, model: nn.Sequential, in_shape: tuple[int, int, int],
-                    state: StageState | None, route: Route) -> tuple[list[int], list[float] | None]:
+                    state: Checkpoint | None, route: Route) -> tuple[list[int], list[float] | None]:
     """The cut into stages (the checkpoint's, the configured one or an automatic one)
     and the per-layer costs of an automatic cut (None otherwise)."""
     from mpipipe.pipeline.config import chunks_per_stage
@@ -263,41 +269,44 @@ def _choose_balance(run: Run, model: nn.Sequential, in_shape: tuple[int, int, in
     return balance, costs
 
 
-def _stage_optimizer(run: Run, pipe: Pipeline, my_stage: int | None) -> torch.optim.Optimizer | None:
-    """This rank's stage's optimizer (None without a stage); agreed over all ranks."""
+def _stage_state(run: Run, pipe: Pipeline, my_stage: int | None) -> StageState | None:
+    """This rank's stage's state, its optimizer made by the recipe (None without a
+    stage); agreed over all ranks."""
     from mpipipe.core.run import recipe
+    from mpipipe.core.state.stagestate import StageState
 
-    optimizer, error = None, None
+    state, error = None, None
     if pipe.stage_module is not None:
         try:  # a given optimizer may work on the whole model and fail on one stage
-            optimizer = run.recipe.make_optimizer(pipe.stage_module)
+            state = StageState(pipe.stage_module, run.recipe.make_optimizer)
         except recipe.RecipeError as e:
             error = f"stage {my_stage}: {e}"
     agree(run, error)  # every rank stops with that line, none waits for this one
-    return optimizer
+    return state
 
 
-def _resume_from(setup_: Setup, state: StageState | None, my_stage: int | None,
+def _resume_from(setup_: Setup, state: Checkpoint | None, my_stage: int | None,
                  route: Route) -> None:
     """Load the checkpoint's weights, optimizer and reader position into ``setup_`` and
     set its first step (with --resume; a mismatch stops every rank)."""
-    run, pipe, optimizer = setup_.run, setup_.pipe, setup_.optimizer
+    from mpipipe.core.state.checkpoint import CheckpointError
+
+    run, pipe = setup_.run, setup_.pipe
     comm, total = run.comm, setup_.total_steps
     error = None
     if state is not None:
-        assert pipe.stage_module is not None
+        assert setup_.state is not None
         try:
-            pipe.stage_module.load_state_dict(state.params)
-            if optimizer is not None and state.optimizer:
-                optimizer.load_state_dict(state.optimizer)
+            setup_.state.load_state_dict(state.state)
             if setup_.train_data is not None:
                 if state.sampler[0] >= 0:
                     setup_.train_data.seek(*state.sampler)
                 else:  # ResPipe's checkpoints: its readers are positioned by the step alone
                     setup_.train_data.seek_batch(state.step)
-        except (RuntimeError, ValueError, KeyError) as e:
+        except (CheckpointError, RuntimeError, ValueError, KeyError) as e:
+            why = str(e).removeprefix("does not fit this model and optimizer: ")
             error = (f"the checkpoint of stage {my_stage} in {run.request.resume} does not fit "
-                     f"this model and optimizer (was it written with another config?): {e}")
+                     f"this model and optimizer (was it written with another config?): {why}")
         pipe.eval_count = state.eval_count
     if run.request.resume:
         agree(run, error)  # every rank stops with the same line, none waits for another
@@ -351,9 +360,8 @@ def train_step(s: Setup, step: int,
     pipe.transport.reset_counters()
     loss = pipe.step(x, y, s.loss_fn, step=step)
     t0 = time.perf_counter()
-    if s.optimizer is not None:
-        s.schedule.apply(s.optimizer, step)
-        s.optimizer.step()
+    if s.state is not None:
+        s.state.apply_step(s.schedule, step)
     opt_s = time.perf_counter() - t0
     figures = {
         "compute_s": pipe.last_compute_s + opt_s,
@@ -395,17 +403,15 @@ def save_checkpoint(s: Setup, step: int, position: tuple[int, int] | None = None
     the reader's position now, which is that one unless a batch was read since (as when
     a stop is agreed on after the next batch was read: it must be read again on resume).
     """
-    from mpipipe.core.state.stagestate import StageState
-
     pipe = s.pipe
-    if s.checkpoint_dir is None or pipe.stage_module is None:
+    if s.checkpoint_dir is None or s.state is None:
         s.run.comm.Barrier()
         return
     if position is None:
         position = s.train_data.position if s.train_data is not None else (-1, -1)
-    StageState(pipe.stage_module, s.run.recipe.make_optimizer, optimizer=s.optimizer, step=step).save(
-        s.checkpoint_dir, stage=pipe.stage, balance=pipe.balance, sampler=position,
-        eval_count=pipe.eval_count)
+    s.state.step = step  # the steps this checkpoint holds (a stop's agreed step)
+    s.state.save(s.checkpoint_dir, stage=pipe.stage, balance=pipe.balance, sampler=position,
+                 eval_count=pipe.eval_count)
     s.run.comm.Barrier()  # the checkpoint exists only once every stage has written
     s.run.log.event(EventKind.CHECKPOINT, step=step, directory=str(s.checkpoint_dir))
 
@@ -515,11 +521,7 @@ def _finish(s: Setup, loss: float, accuracy: float) -> int:
     }
     log.set_attr("summary", summary)
     if run.request.api:  # a script gets the model back on the writer (mpipipe.train)
-        from mpipipe.core.state.stagestate import StageState
-
-        state = None if s.pipe.stage_module is None else StageState(
-            s.pipe.stage_module, run.recipe.make_optimizer, optimizer=s.optimizer)
-        run.final_state = gather_model_state(comm, state, run.plan.log_rank)
+        run.final_state = gather_model_state(comm, s.state, run.plan.log_rank)
     if log.active:  # the writer's: what the Python API gives back
         run.result.update(summary)
     if run.rank == 0:
