@@ -58,6 +58,7 @@ FOLDER_CLASSES = ("ant", "bee", "cat")
 FOLDER_IMAGES = 600  # under a second a round on a loaded 2-CPU machine: --augment stays well under a minute
 FOLDER_SIZE = 32
 AUGMENT_OPS = ("random_crop:4", "hflip")
+CROP_PAD = 4  # the padding of random_crop:4, for the per-sample torch transform
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
@@ -85,51 +86,38 @@ def _time(fn: Callable[[int], None], batches: int) -> tuple[float, float]:
     return time.thread_time() - c0, time.perf_counter() - w0
 
 
-def run(
-    records: int, batch: int, batches: int, loader_batches: int, rounds: int, directory: Path, clock: str = "cpu"
-) -> dict[str, float]:
-    path = directory / "bench.shard"
+def _open_shard(path: Path, records: int, mode: str) -> tuple[ShardReader, np.ndarray]:
+    """A reader of a fresh synthetic shard at `path` (page cache warm, checksums done) and a
+    np.memmap of its records, one row of record_size bytes each."""
     make_shard(path, records)
     reader = ShardReader(path)
     shard = reader._set.shards[0]
-    rs = reader._set.shards[0].record_size
-    data_offset = shard.data_offset
-    if shard.record_offset(records - 1) != data_offset + (records - 1) * rs:
+    if shard.record_offset(records - 1) != shard.data_offset + (records - 1) * shard.record_size:
         raise RuntimeError("benchmark shard is not laid out back to back")
-    mm = np.memmap(path, dtype=np.uint8, mode="c", offset=data_offset, shape=(records, rs))
+    mm = np.memmap(path, dtype=np.uint8, mode=mode, offset=shard.data_offset, shape=(records, shard.record_size))
     reader.verify()  # reads every record once: page cache warm, checksums done
-    mm.sum(axis=0, dtype=np.uint64)  # fault in the memmap's pages too
+    return reader, mm
 
-    import torch
-    from torch.utils.data import DataLoader
 
-    torch.set_num_threads(1)  # per-sample collation in this thread only, like the others
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return records
-
-        def __getitem__(self, i: int) -> np.ndarray:
-            return mm[i]
-
-    rng = np.random.default_rng(1)
-    order = rng.permutation(records).astype(np.int64)
-    n_batches = records // batch
-    out = reader.empty(batch)
-    buf = np.empty((batch, rs), dtype=np.uint8)
-    per_batch = batch * rs  # bytes moved per batch, the same for every method
-
-    # The same bytes come out of each method.
-    probe = order[:batch]
+def _check_gather(reader: ShardReader, mm: np.ndarray, probe: np.ndarray, out: dict[str, np.ndarray]) -> None:
+    """The same bytes come out of each method."""
     got = reader.read(probe, out=out)
     want = np.take(mm, probe, axis=0)
     if not (
-        np.array_equal(got["image"].reshape(batch, -1), want[:, :3072])
+        np.array_equal(got["image"].reshape(len(probe), -1), want[:, :3072])
         and np.array_equal(got["label"], want[:, 3072:3080].copy().view(np.int64)[:, 0])
     ):
         raise RuntimeError("native gather and numpy take disagree")
 
-    cursor = {"native": 0, "numpy": 0, "memcpy": 0}
+
+def _gather_methods(
+    reader: ShardReader, mm: np.ndarray, order: np.ndarray, out: dict[str, np.ndarray], cursor: dict[str, int]
+) -> dict[str, Callable[[int], None]]:
+    """native gather, numpy take and in-order memcpy of batch b (of len(out) records), each
+    counted from its own cursor[name], which the caller moves on after every round."""
+    batch = len(out["label"])
+    n_batches = len(order) // batch
+    buf = np.empty((batch, mm.shape[1]), dtype=np.uint8)
 
     def native(b: int) -> None:
         k = (cursor["native"] + b) % n_batches
@@ -143,6 +131,25 @@ def run(
         k = (cursor["memcpy"] + b) % n_batches
         np.copyto(buf, mm[k * batch : (k + 1) * batch])
 
+    return {"native": native, "numpy": numpy_take, "memcpy": memcpy}
+
+
+def _dataloader_method(mm: np.ndarray, order: np.ndarray, batch: int, loader_batches: int
+                       ) -> Callable[[], tuple[float, float]]:
+    """A per-sample torch DataLoader (no workers) over the memmap's rows in `order`; the call
+    times `loader_batches` batches of a new pass, after its first (start-up is not throughput)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    records = len(mm)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return records
+
+        def __getitem__(self, i: int) -> np.ndarray:
+            return mm[i]
+
     loader = DataLoader(Rows(), batch_size=batch, sampler=order.tolist(), num_workers=0)
 
     def dataloader() -> tuple[float, float]:
@@ -150,20 +157,36 @@ def run(
         next(it)  # start-up is not throughput
         return _time(lambda b: next(it), loader_batches)
 
-    # First reads of a fresh reader also check each record's CRC32C (verify="first").
+    return dataloader
+
+
+def _first_read_gbps(path: Path, order: np.ndarray, batch: int, batches: int, per_batch: int, pick: int) -> float:
+    """GB/s of a fresh reader's first reads, which also check each record's CRC32C (verify="first")."""
     fresh = ShardReader(path)
     fresh_out = fresh.empty(batch)
-    first = min(batches, n_batches)
+    first = min(batches, len(order) // batch)
     dt = _time(lambda b: fresh.read(order[b * batch : (b + 1) * batch], out=fresh_out), first)
-    first_read = first * per_batch / dt[0 if clock == "cpu" else 1] / 1e9
     fresh.close()
+    return first * per_batch / dt[pick] / 1e9
 
+
+def _interleave(
+    methods: dict[str, Callable[[int], None]],
+    dataloader: Callable[[], tuple[float, float]],
+    cursor: dict[str, int],
+    rounds: int,
+    batches: int,
+    loader_batches: int,
+    per_batch: int,
+    pick: int,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """GB/s of every method in each of `rounds` rounds, by the chosen clock and by the wall
+    clock; a round runs each method once, so load that comes and goes slows them alike."""
     names = ("native", "numpy", "memcpy", "dataloader")
     results: dict[str, list[float]] = {k: [] for k in names}
     wall: dict[str, list[float]] = {k: [] for k in names}
-    pick = 0 if clock == "cpu" else 1
     for _ in range(rounds):
-        for name, fn in (("native", native), ("numpy", numpy_take), ("memcpy", memcpy)):
+        for name, fn in methods.items():
             dt = _time(fn, batches)
             cursor[name] += batches
             results[name].append(batches * per_batch / max(dt[pick], 1e-9) / 1e9)
@@ -171,6 +194,35 @@ def run(
         dt = dataloader()
         results["dataloader"].append(loader_batches * per_batch / max(dt[pick], 1e-9) / 1e9)
         wall["dataloader"].append(loader_batches * per_batch / max(dt[1], 1e-9) / 1e9)
+    return results, wall
+
+
+def run(
+    records: int, batch: int, batches: int, loader_batches: int, rounds: int, directory: Path, clock: str = "cpu"
+) -> dict[str, float]:
+    """GB/s of native gather, numpy take, a per-sample DataLoader and memcpy over one shard
+    (median of interleaved rounds, by `clock`), their ratios, and (keys starting "_") the
+    spread, the wall clock figures, a fresh reader's first read and the record size."""
+    path = directory / "bench.shard"
+    reader, mm = _open_shard(path, records, "c")
+    mm.sum(axis=0, dtype=np.uint64)  # fault in the memmap's pages too
+    rs = mm.shape[1]
+
+    import torch
+
+    torch.set_num_threads(1)  # per-sample collation in this thread only, like the others
+
+    rng = np.random.default_rng(1)
+    order = rng.permutation(records).astype(np.int64)
+    out = reader.empty(batch)
+    per_batch = batch * rs  # bytes moved per batch, the same for every method
+    _check_gather(reader, mm, order[:batch], out)
+    cursor = {"native": 0, "numpy": 0, "memcpy": 0}
+    methods = _gather_methods(reader, mm, order, out, cursor)
+    dataloader = _dataloader_method(mm, order, batch, loader_batches)
+    pick = 0 if clock == "cpu" else 1
+    first_read = _first_read_gbps(path, order, batch, batches, per_batch, pick)
+    results, wall = _interleave(methods, dataloader, cursor, rounds, batches, loader_batches, per_batch, pick)
     med = {k: statistics.median(v) for k, v in results.items()}
     spread = {k: (min(v), max(v)) for k, v in results.items()}
     wall_med = {k: statistics.median(v) for k, v in wall.items()}
@@ -217,46 +269,33 @@ def _torch_sample(t: Any, dy: int, dx: int, flip: bool, pad: int, mean: Any, std
     return (t.float().div(255.0) - mean) / std
 
 
-def run_augment(records: int, batch: int, batches: int, loader_batches: int, steps: int, rounds: int,
-                directory: Path) -> dict[str, Any]:
-    """Native gather + native.Augment against a 2-worker DataLoader with per-sample torch
-    transforms, in images/s by the wall clock (the DataLoader works in other processes,
-    so this thread's CPU time would leave its work out), rounds interleaved; and
-    native.Augment's thread CPU time per batch against one LeNet step's (one thread,
-    as each rank trains), which load on the machine slows alike."""
+def _check_augment(aug: Augment, reader: ShardReader, images: np.ndarray, probe: np.ndarray,
+                   out: dict[str, np.ndarray], x: np.ndarray, norm: tuple[Any, Any]) -> None:
+    """The two ways compute the same samples: the per-sample torch transform, given the
+    draws of native.Augment, equals its batch output bit for bit."""
     import torch
-    from torch.utils.data import DataLoader
 
-    torch.set_num_threads(1)
-    path = directory / "bench.shard"
-    make_shard(path, records)
-    reader = ShardReader(path)
-    reader.verify()  # page cache warm, checksums done
-    shard = reader._set.shards[0]
-    rs = shard.record_size
-    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=shard.data_offset, shape=(records, rs))
-    images = mm[:, :3072].reshape(records, 3, 32, 32)
-    pad = 4
-    aug = Augment(AUGMENT_OPS, CIFAR_MEAN, CIFAR_STD, seed=0)
-    mean_t = torch.tensor(CIFAR_MEAN).reshape(3, 1, 1)
-    std_t = torch.tensor(CIFAR_STD).reshape(3, 1, 1)
-
-    rng = np.random.default_rng(1)
-    order = rng.permutation(records).astype(np.int64)
-    n_batches = records // batch
-    out = reader.empty(batch)
-    x = np.empty((batch, 3, 32, 32), dtype=np.float32)
-
-    # The two ways compute the same samples: the per-sample torch transform, given the
-    # draws of native.Augment, equals its batch output bit for bit.
-    probe = order[:batch]
+    batch = len(probe)
     got = aug.apply(reader.read(probe, out=out)["image"], probe, 0, out=x)
     d = aug.draws(0, probe)
     for i in range(0, batch, max(1, batch // 16)):
         want = _torch_sample(torch.from_numpy(np.array(images[probe[i]])), int(d.dy[i]), int(d.dx[i]),
-                             bool(d.hflip[i]), pad, mean_t, std_t)
+                             bool(d.hflip[i]), CROP_PAD, *norm)
         if not torch.equal(torch.from_numpy(got[i]), want):
             raise RuntimeError("native.Augment and the per-sample torch transform disagree")
+
+
+def _augment_loader(images: np.ndarray, order: np.ndarray, batch: int, loader_batches: int,
+                    norm: tuple[Any, Any]) -> tuple[Any, Any]:
+    """A DataLoader with two persistent (forked) workers that transform per sample with
+    torch ops, as usual, and its sampler, whose `start` and `batches` the caller sets
+    before each pass."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    records = len(images)
+    pad = CROP_PAD
+    mean_t, std_t = norm
 
     class Samples(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -287,56 +326,57 @@ def run_augment(records: int, batch: int, batches: int, loader_batches: int, ste
     loader = DataLoader(Samples(), batch_size=batch, sampler=window, num_workers=2, persistent_workers=True,
                         multiprocessing_context="fork",
                         worker_init_fn=lambda _: torch.set_num_threads(1))
+    return loader, window
+
+
+def _lenet_step(x: np.ndarray, labels: np.ndarray) -> Callable[[], None]:
+    """One LeNet training step (forward, backward, SGD) on the batch that the buffers x and
+    labels hold when it is called."""
+    import torch
 
     model = _lenet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    xt, yt = torch.from_numpy(x), torch.from_numpy(out["label"])
+    xt, yt = torch.from_numpy(x), torch.from_numpy(labels)
 
     def lenet_step() -> None:
         opt.zero_grad()
         loss_fn(model(xt), yt).backward()
         opt.step()
 
-    lenet_step()  # first call allocates
-    window.batches = 2
-    for _ in loader:  # starts the workers (kept across rounds): start-up is not throughput
-        pass
-    window.batches = loader_batches
-    cursor = 0
-    native_ips: list[float] = []
-    loader_ips: list[float] = []
-    ratios: list[float] = []
-    aug_cpu: list[float] = []
-    step_cpu: list[float] = []
-    for r in range(rounds):
-        w0 = time.perf_counter()
-        spent = 0.0
-        for b in range(batches):
-            k = (cursor + b) % n_batches
-            idx = order[k * batch:(k + 1) * batch]
-            got_batch = reader.read(idx, out=out)
-            c0 = time.thread_time()
-            aug.apply(got_batch["image"], idx, r, out=x)
-            spent += time.thread_time() - c0
-        native_ips.append(batches * batch / max(time.perf_counter() - w0, 1e-9))
-        aug_cpu.append(spent / batches)
-        cursor += batches
+    return lenet_step
 
-        window.start = (r * loader_batches * batch) % records
-        w0 = time.perf_counter()
-        made = 0
-        for xb, _ in loader:  # to the end: no batch is left in the making for the next method
-            made += len(xb)
-        loader_ips.append(made / max(time.perf_counter() - w0, 1e-9))
-        ratios.append(native_ips[-1] / loader_ips[-1])
 
+def _augment_round(reader: ShardReader, aug: Augment, order: np.ndarray, out: dict[str, np.ndarray],
+                   x: np.ndarray, first: int, batches: int, r: int) -> tuple[float, float]:
+    """Native gather + Augment (epoch r) of `batches` batches from batch `first` on: (images/s
+    by the wall clock, Augment's thread CPU seconds per batch)."""
+    batch = len(x)
+    n_batches = len(order) // batch
+    w0 = time.perf_counter()
+    spent = 0.0
+    for b in range(batches):
+        k = (first + b) % n_batches
+        idx = order[k * batch:(k + 1) * batch]
+        got_batch = reader.read(idx, out=out)
         c0 = time.thread_time()
-        for _ in range(steps):
-            lenet_step()
-        step_cpu.append((time.thread_time() - c0) / steps)
-    reader.close()
-    del loader
+        aug.apply(got_batch["image"], idx, r, out=x)
+        spent += time.thread_time() - c0
+    return batches * batch / max(time.perf_counter() - w0, 1e-9), spent / batches
+
+
+def _loader_images_per_s(loader: Any) -> float:
+    """One pass of the DataLoader, in images/s by the wall clock."""
+    w0 = time.perf_counter()
+    made = 0
+    for xb, _ in loader:  # to the end: no batch is left in the making for the next method
+        made += len(xb)
+    return made / max(time.perf_counter() - w0, 1e-9)
+
+
+def _augment_result(native_ips: list[float], loader_ips: list[float], ratios: list[float],
+                    aug_cpu: list[float], step_cpu: list[float]) -> dict[str, Any]:
+    """The medians of the rounds' figures (AUGMENT_KEYS but the folder conversion's), and their spread."""
     shares = [a / s for a, s in zip(aug_cpu, step_cpu, strict=True)]
     return {
         "augment_images_per_s": statistics.median(native_ips),
@@ -352,6 +392,54 @@ def run_augment(records: int, batch: int, batches: int, loader_batches: int, ste
                     "augment_ms_per_batch": (min(aug_cpu) * 1e3, max(aug_cpu) * 1e3),
                     "lenet_step_ms": (min(step_cpu) * 1e3, max(step_cpu) * 1e3)},
     }
+
+
+def run_augment(records: int, batch: int, batches: int, loader_batches: int, steps: int, rounds: int,
+                directory: Path) -> dict[str, Any]:
+    """Native gather + native.Augment against a 2-worker DataLoader with per-sample torch
+    transforms, in images/s by the wall clock (the DataLoader works in other processes,
+    so this thread's CPU time would leave its work out), rounds interleaved; and
+    native.Augment's thread CPU time per batch against one LeNet step's (one thread,
+    as each rank trains), which load on the machine slows alike."""
+    import torch
+
+    torch.set_num_threads(1)
+    reader, mm = _open_shard(directory / "bench.shard", records, "r")
+    images = mm[:, :3072].reshape(records, 3, 32, 32)
+    aug = Augment(AUGMENT_OPS, CIFAR_MEAN, CIFAR_STD, seed=0)
+    norm = (torch.tensor(CIFAR_MEAN).reshape(3, 1, 1), torch.tensor(CIFAR_STD).reshape(3, 1, 1))
+    order = np.random.default_rng(1).permutation(records).astype(np.int64)
+    out = reader.empty(batch)
+    x = np.empty((batch, 3, 32, 32), dtype=np.float32)
+    _check_augment(aug, reader, images, order[:batch], out, x, norm)
+    loader, window = _augment_loader(images, order, batch, loader_batches, norm)
+    lenet_step = _lenet_step(x, out["label"])
+    lenet_step()  # first call allocates
+    window.batches = 2
+    for _ in loader:  # starts the workers (kept across rounds): start-up is not throughput
+        pass
+    window.batches = loader_batches
+    native_ips: list[float] = []
+    loader_ips: list[float] = []
+    ratios: list[float] = []
+    aug_cpu: list[float] = []
+    step_cpu: list[float] = []
+    for r in range(rounds):
+        ips, cpu = _augment_round(reader, aug, order, out, x, r * batches, batches, r)
+        native_ips.append(ips)
+        aug_cpu.append(cpu)
+
+        window.start = (r * loader_batches * batch) % records
+        loader_ips.append(_loader_images_per_s(loader))
+        ratios.append(native_ips[-1] / loader_ips[-1])
+
+        c0 = time.thread_time()
+        for _ in range(steps):
+            lenet_step()
+        step_cpu.append((time.thread_time() - c0) / steps)
+    reader.close()
+    del loader
+    return _augment_result(native_ips, loader_ips, ratios, aug_cpu, step_cpu)
 
 
 def make_image_folder(root: Path, images: int, seed: int = 0) -> None:
@@ -445,7 +533,7 @@ def main_augment(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m native.bench",
         description="Native shard gather vs numpy take over np.memmap, a per-sample torch "
@@ -472,20 +560,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "or by the wall clock",
     )
     p.add_argument("--dir", type=Path, default=None, help="where to write the temporary shard (default: a temp dir)")
-    args = p.parse_args(argv)
-    if args.records is not None and args.records < 2 * args.batch:
-        p.error("--records must be at least two batches")
-    if args.augment:
-        return main_augment(args)
-    args.records = 200_000 if args.records is None else args.records
-    args.batches = 300 if args.batches is None else args.batches
-    args.loader_batches = 10 if args.loader_batches is None else args.loader_batches
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="native-bench-") as tmp:
-        res = run(args.records, args.batch, args.batches, args.loader_batches, args.rounds, Path(tmp), args.clock)
-    if args.json:
-        print(json.dumps({k: round(float(res[k]), 4) for k in KEYS}))
-        return 0
+    return p
+
+
+def print_table(args: argparse.Namespace, res: dict[str, Any], load_before: float) -> None:
+    """The gather benchmark's table: GB/s of each method (median, min..max, wall clock) and
+    the ratios against their targets."""
     spread = res["_spread"]
     print(
         f"native.bench: {args.records} records of {res['_record_bytes']} bytes, batches of "
@@ -511,6 +591,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, target in (("native_vs_memcpy", 0.7), ("native_vs_numpy", 1.2), ("native_vs_dataloader", 5.0)):
         ok = "ok" if res[key] >= target else "BELOW TARGET"
         print(f"{key:<34}{res[key]:>8.2f}   target >= {target}  {ok}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.records is not None and args.records < 2 * args.batch:
+        p.error("--records must be at least two batches")
+    if args.augment:
+        return main_augment(args)
+    args.records = 200_000 if args.records is None else args.records
+    args.batches = 300 if args.batches is None else args.batches
+    args.loader_batches = 10 if args.loader_batches is None else args.loader_batches
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="native-bench-") as tmp:
+        res = run(args.records, args.batch, args.batches, args.loader_batches, args.rounds, Path(tmp), args.clock)
+    if args.json:
+        print(json.dumps({k: round(float(res[k]), 4) for k in KEYS}))
+        return 0
+    print_table(args, res, load_before)
     return 0
 
 

@@ -16,6 +16,7 @@ others load their input whole, as it comes in one file.
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import json
 import signal
@@ -23,8 +24,10 @@ import sys
 import threading
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -327,156 +330,216 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m native.convert",
-        description="Convert image data into shard data sets OUT/train and OUT/test "
-        "(fields: image C,H,W and label int64). Both are written beside OUT and moved into "
-        "place only when complete: a failed or interrupted conversion leaves OUT as it was. "
-        "An OUT that already holds train/ or test/ is refused unless --overwrite is given. "
-        "Prints what was written and how fast it reads back.",
-        epilog="examples:\n"
-        "  python -m native.convert digits data/digits\n"
-        "  python -m native.convert cifar10-bin cifar-10-batches-bin/*.bin data/cifar10\n"
-        "  python -m native.convert mnist-idx train-images-idx3-ubyte.gz "
-        "train-labels-idx1-ubyte.gz data/mnist \\\n"
-        "      --test-images t10k-images-idx3-ubyte.gz --test-labels t10k-labels-idx1-ubyte.gz\n"
-        "  python -m native.convert npz mnist.npz data/mnist\n"
-        "  python -m native.convert synthetic --shape 3,32,32 --count 200000 data/synthetic\n"
-        "  python -m native.convert folder photos/ data/photos --size 64 --holdout 0.1\n"
-        "  python -m native.convert dataset mydata:make data/mine --kwargs '{\"train\": true}'\n"
-        "run `python -m native.convert SOURCE --help` for the options of a source",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    io = argparse.ArgumentParser(add_help=False)  # what every source has
-    io.add_argument(
-        "--shard-records",
-        type=int,
-        default=None,
-        metavar="N",
-        help="records per shard file (default: about 64 MB per shard)",
-    )
-    io.add_argument("--seed", type=int, default=0, help="seed of the deterministic held-out split (default 0)")
-    io.add_argument("--quiet", action="store_true", help="print nothing on success")
-    io.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace OUT/train and OUT/test if they exist (other files in OUT are kept)",
-    )
-    common = argparse.ArgumentParser(add_help=False, parents=[io])
-    common.add_argument(
-        "--test-fraction",
-        type=float,
-        default=0.2,
-        metavar="F",
-        help="held-out share when the input has no test split (default 0.2)",
-    )
-    sub = p.add_subparsers(dest="source", required=True, metavar="SOURCE")
+@dataclass(frozen=True)
+class Arg:
+    """One add_argument call: the names (a positional's dest, or the option strings) and its keywords."""
 
-    s = sub.add_parser(
+    names: tuple[str, ...]
+    options: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One subcommand: its sub_parser keywords and its own arguments, after those of its parent
+    ("io": what every source has; "common": io and --test-fraction, for the sources read whole)."""
+
+    name: str
+    parent: str
+    help: str
+    description: str
+    args: tuple[Arg, ...]
+    epilog: str | None = None
+
+
+DESCRIPTION = (
+    "Convert image data into shard data sets OUT/train and OUT/test "
+    "(fields: image C,H,W and label int64). Both are written beside OUT and moved into "
+    "place only when complete: a failed or interrupted conversion leaves OUT as it was. "
+    "An OUT that already holds train/ or test/ is refused unless --overwrite is given. "
+    "Prints what was written and how fast it reads back."
+)
+EPILOG = (
+    "examples:\n"
+    "  python -m native.convert digits data/digits\n"
+    "  python -m native.convert cifar10-bin cifar-10-batches-bin/*.bin data/cifar10\n"
+    "  python -m native.convert mnist-idx train-images-idx3-ubyte.gz "
+    "train-labels-idx1-ubyte.gz data/mnist \\\n"
+    "      --test-images t10k-images-idx3-ubyte.gz --test-labels t10k-labels-idx1-ubyte.gz\n"
+    "  python -m native.convert npz mnist.npz data/mnist\n"
+    "  python -m native.convert synthetic --shape 3,32,32 --count 200000 data/synthetic\n"
+    "  python -m native.convert folder photos/ data/photos --size 64 --holdout 0.1\n"
+    "  python -m native.convert dataset mydata:make data/mine --kwargs '{\"train\": true}'\n"
+    "run `python -m native.convert SOURCE --help` for the options of a source"
+)
+
+IO_ARGS = (  # what every source has
+    Arg(
+        ("--shard-records",),
+        {
+            "type": int,
+            "default": None,
+            "metavar": "N",
+            "help": "records per shard file (default: about 64 MB per shard)",
+        },
+    ),
+    Arg(("--seed",), {"type": int, "default": 0, "help": "seed of the deterministic held-out split (default 0)"}),
+    Arg(("--quiet",), {"action": "store_true", "help": "print nothing on success"}),
+    Arg(
+        ("--overwrite",),
+        {
+            "action": "store_true",
+            "help": "replace OUT/train and OUT/test if they exist (other files in OUT are kept)",
+        },
+    ),
+)
+COMMON_ARGS = (
+    Arg(
+        ("--test-fraction",),
+        {
+            "type": float,
+            "default": 0.2,
+            "metavar": "F",
+            "help": "held-out share when the input has no test split (default 0.2)",
+        },
+    ),
+)
+OUT_ARG = Arg(("out",), {"type": Path, "metavar": "OUT", "help": "output directory"})
+DTYPE_ARG = Arg(
+    ("--dtype",),
+    {
+        "choices": ["uint8", "float32"],
+        "default": "uint8",
+        "help": "stored image type; float32 scales to [0,1] (default uint8)",
+    },
+)
+
+SOURCES = (
+    Source(
         "digits",
-        parents=[common],
+        "common",
         help="scikit-learn's bundled 8x8 digits (1,797 images; the demo data)",
         description="scikit-learn's bundled digits: image float32 (1,8,8) in "
         "[0,1], label int64; a stratified held-out test split.",
-    )
-    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
-
-    s = sub.add_parser(
+        args=(OUT_ARG,),
+    ),
+    Source(
         "cifar10-bin",
-        parents=[common],
+        "common",
         help="CIFAR-10 binary version files (data_batch_N.bin, test_batch.bin)",
         description="CIFAR-10 binary version: 1 label byte + 3,072 pixel bytes per "
         "record. Files named test* go to OUT/test; without one a fraction is "
         "held out.",
-    )
-    s.add_argument(
-        "files",
-        type=Path,
-        nargs="+",
-        metavar="FILE",
-        help="data_batch_*.bin and test_batch.bin (3,073 bytes per record)",
-    )
-    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
-    s.add_argument(
-        "--dtype",
-        choices=["uint8", "float32"],
-        default="uint8",
-        help="stored image type; float32 scales to [0,1] (default uint8)",
-    )
-
-    s = sub.add_parser(
+        args=(
+            Arg(
+                ("files",),
+                {
+                    "type": Path,
+                    "nargs": "+",
+                    "metavar": "FILE",
+                    "help": "data_batch_*.bin and test_batch.bin (3,073 bytes per record)",
+                },
+            ),
+            OUT_ARG,
+            DTYPE_ARG,
+        ),
+    ),
+    Source(
         "mnist-idx",
-        parents=[common],
+        "common",
         help="MNIST-style IDX image and label files (raw or .gz)",
         description="An IDX images file (N x H x W bytes) and its IDX labels, "
         "raw or gzip. Give --test-images/--test-labels for the t10k pair; "
         "otherwise a fraction is held out.",
-    )
-    s.add_argument(
-        "images", type=Path, metavar="IMAGES", help="IDX file of N x H x W bytes, e.g. train-images-idx3-ubyte"
-    )
-    s.add_argument(
-        "labels", type=Path, metavar="LABELS", help="IDX file of N label bytes, e.g. train-labels-idx1-ubyte"
-    )
-    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
-    s.add_argument(
-        "--test-images", type=Path, default=None, metavar="FILE", help="IDX test images, e.g. t10k-images-idx3-ubyte"
-    )
-    s.add_argument(
-        "--test-labels", type=Path, default=None, metavar="FILE", help="IDX test labels, e.g. t10k-labels-idx1-ubyte"
-    )
-    s.add_argument(
-        "--dtype",
-        choices=["uint8", "float32"],
-        default="uint8",
-        help="stored image type; float32 scales to [0,1] (default uint8)",
-    )
-
-    s = sub.add_parser(
+        args=(
+            Arg(
+                ("images",),
+                {
+                    "type": Path,
+                    "metavar": "IMAGES",
+                    "help": "IDX file of N x H x W bytes, e.g. train-images-idx3-ubyte",
+                },
+            ),
+            Arg(
+                ("labels",),
+                {
+                    "type": Path,
+                    "metavar": "LABELS",
+                    "help": "IDX file of N label bytes, e.g. train-labels-idx1-ubyte",
+                },
+            ),
+            OUT_ARG,
+            Arg(
+                ("--test-images",),
+                {
+                    "type": Path,
+                    "default": None,
+                    "metavar": "FILE",
+                    "help": "IDX test images, e.g. t10k-images-idx3-ubyte",
+                },
+            ),
+            Arg(
+                ("--test-labels",),
+                {
+                    "type": Path,
+                    "default": None,
+                    "metavar": "FILE",
+                    "help": "IDX test labels, e.g. t10k-labels-idx1-ubyte",
+                },
+            ),
+            DTYPE_ARG,
+        ),
+    ),
+    Source(
         "npz",
-        parents=[common],
+        "common",
         help="a numpy .npz of images and labels",
         description="A .npz with x_train/y_train (and x_test/y_test), or "
         "images/labels, or x/y. Images N,H,W or N,C,H,W or N,H,W,C; uint8 or "
         "float (stored as float32).",
-    )
-    s.add_argument("file", type=Path, metavar="FILE", help="the .npz file")
-    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
-    s.add_argument(
-        "--allow-nonfinite",
-        action="store_true",
-        help="store images with NaN or Inf values (by default they are an error naming the sample)",
-    )
-
-    s = sub.add_parser(
+        args=(
+            Arg(("file",), {"type": Path, "metavar": "FILE", "help": "the .npz file"}),
+            OUT_ARG,
+            Arg(
+                ("--allow-nonfinite",),
+                {
+                    "action": "store_true",
+                    "help": "store images with NaN or Inf values (by default they are an error naming the sample)",
+                },
+            ),
+        ),
+    ),
+    Source(
         "synthetic",
-        parents=[common],
+        "common",
         help="random images for benchmarks",
         description="Random uint8 images and uniform labels (for throughput "
         "benchmarks; there is nothing to learn in them).",
-    )
-    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
-    s.add_argument(
-        "--shape",
-        type=_parse_shape,
-        default=(3, 32, 32),
-        metavar="C,H,W",
-        help="per-record image shape (default 3,32,32)",
-    )
-    s.add_argument("--classes", type=int, default=10, metavar="K", help="labels are drawn from 0..K-1 (default 10)")
-    s.add_argument("--count", type=int, default=10000, metavar="N", help="training records")
-    s.add_argument("--test-count", type=int, default=None, metavar="M", help="test records (default N/10, at least 1)")
-    s.add_argument(
-        "--dtype",
-        choices=["uint8", "float32"],
-        default="uint8",
-        help="stored image type; float32 scales to [0,1] (default uint8)",
-    )
-
-    s = sub.add_parser(
+        args=(
+            OUT_ARG,
+            Arg(
+                ("--shape",),
+                {
+                    "type": _parse_shape,
+                    "default": (3, 32, 32),
+                    "metavar": "C,H,W",
+                    "help": "per-record image shape (default 3,32,32)",
+                },
+            ),
+            Arg(
+                ("--classes",),
+                {"type": int, "default": 10, "metavar": "K", "help": "labels are drawn from 0..K-1 (default 10)"},
+            ),
+            Arg(("--count",), {"type": int, "default": 10000, "metavar": "N", "help": "training records"}),
+            Arg(
+                ("--test-count",),
+                {"type": int, "default": None, "metavar": "M", "help": "test records (default N/10, at least 1)"},
+            ),
+            DTYPE_ARG,
+        ),
+    ),
+    Source(
         "folder",
-        parents=[io],
+        "io",
         help="a folder of images, one subfolder per class (torchvision's ImageFolder layout)",
         description="Images in SRC/<class>/... (subfolders too; .jpg .jpeg .png .ppm .bmp .pgm .tif "
         ".tiff .webp), decoded with Pillow one at a time and streamed into OUT/train and OUT/test: "
@@ -488,80 +551,131 @@ def build_parser() -> argparse.ArgumentParser:
         "the size, then centre crop\". colour: --color auto stores one channel (L) when every "
         "image's header says grayscale, otherwise RGB; alpha is dropped. holdout: a seeded share of "
         "each class goes to OUT/test.",
-    )
-    s.add_argument("src", type=Path, metavar="SRC", help="the folder holding one subfolder per class")
-    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
-    s.add_argument(
-        "--size",
-        type=_size,
-        default=None,
-        metavar="H[xW]",
-        help="bring every image to H x W (default: keep the size, which must then be the same for all)",
-    )
-    s.add_argument(
-        "--holdout",
-        "--test-fraction",
-        dest="test_fraction",
-        type=float,
-        default=0.2,
-        metavar="F",
-        help="share of each class held out into OUT/test (default 0.2)",
-    )
-    s.add_argument(
-        "--classes",
-        type=_names,
-        default=None,
-        metavar="a,b,...",
-        help="take only these class folders, labelled 0, 1, ... in this order (default: all, sorted)",
-    )
-    s.add_argument(
-        "--skip-bad",
-        action="store_true",
-        help="skip images that cannot be decoded (each named on stderr, counted in the summary) "
-        "instead of stopping at the first",
-    )
-    s.add_argument(
-        "--color",
-        choices=["auto", "rgb", "gray"],
-        default="auto",
-        help="rgb (3 channels), gray (1) or auto: gray only if every image is single-channel (default)",
-    )
-
-    s = sub.add_parser(
+        args=(
+            Arg(("src",), {"type": Path, "metavar": "SRC", "help": "the folder holding one subfolder per class"}),
+            OUT_ARG,
+            Arg(
+                ("--size",),
+                {
+                    "type": _size,
+                    "default": None,
+                    "metavar": "H[xW]",
+                    "help": "bring every image to H x W (default: keep the size, which must then be the same for all)",
+                },
+            ),
+            Arg(
+                ("--holdout", "--test-fraction"),
+                {
+                    "dest": "test_fraction",
+                    "type": float,
+                    "default": 0.2,
+                    "metavar": "F",
+                    "help": "share of each class held out into OUT/test (default 0.2)",
+                },
+            ),
+            Arg(
+                ("--classes",),
+                {
+                    "type": _names,
+                    "default": None,
+                    "metavar": "a,b,...",
+                    "help": "take only these class folders, labelled 0, 1, ... in this order (default: all, sorted)",
+                },
+            ),
+            Arg(
+                ("--skip-bad",),
+                {
+                    "action": "store_true",
+                    "help": "skip images that cannot be decoded (each named on stderr, counted in the summary) "
+                    "instead of stopping at the first",
+                },
+            ),
+            Arg(
+                ("--color",),
+                {
+                    "choices": ["auto", "rgb", "gray"],
+                    "default": "auto",
+                    "help": "rgb (3 channels), gray (1) or auto: gray only if every image is single-channel (default)",
+                },
+            ),
+        ),
+    ),
+    Source(
         "dataset",
-        parents=[io],
+        "io",
         help="any map-style (torch) Dataset of (image tensor, int label)",
         description="Call FACTORY (\"package.module:function\", the current directory on the import "
         "path, or \"path/to/file.py:function\") with --kwargs; it returns a map-style Dataset whose "
         "items are (image, label): image a tensor or array C,H,W, uint8 or float in [0,1] (stored as "
         "round(x*255)), all of one shape; label an int. Items are read one at a time in a seeded "
         "shuffled order and streamed into OUT/train (and OUT/test with --holdout).",
+        args=(
+            Arg(("spec",), {"metavar": "FACTORY", "help": "package.module:function or path/to/file.py:function"}),
+            OUT_ARG,
+            Arg(
+                ("--kwargs",),
+                {
+                    "type": _json_object,
+                    "default": {},
+                    "metavar": "JSON",
+                    "help": "keyword arguments of FACTORY as a JSON object, e.g. '{\"train\": false}'",
+                },
+            ),
+            Arg(
+                ("--holdout", "--test-fraction"),
+                {
+                    "dest": "test_fraction",
+                    "type": float,
+                    "default": 0.0,
+                    "metavar": "F",
+                    "help": "share held out into OUT/test (stratified if the Dataset has .targets); default 0: "
+                    "everything goes to OUT/SPLIT",
+                },
+            ),
+            Arg(
+                ("--split",),
+                {
+                    "choices": SPLITS,
+                    "default": "train",
+                    "help": "where everything goes without --holdout (default train; write a test Dataset with "
+                    "--split test)",
+                },
+            ),
+        ),
+    ),
+)
+
+
+def _add_args(parser: argparse.ArgumentParser, args: Sequence[Arg]) -> None:
+    # A copy of each keyword set: every parser gets defaults of its own (--kwargs' {} is mutable).
+    for arg in args:
+        parser.add_argument(*arg.names, **copy.deepcopy(dict(arg.options)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, made from the tables above: DESCRIPTION/EPILOG, IO_ARGS and COMMON_ARGS
+    (the parents), and one subcommand per SOURCES entry."""
+    p = argparse.ArgumentParser(
+        prog="python -m native.convert",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("spec", metavar="FACTORY", help="package.module:function or path/to/file.py:function")
-    s.add_argument("out", type=Path, metavar="OUT", help="output directory")
-    s.add_argument(
-        "--kwargs",
-        type=_json_object,
-        default={},
-        metavar="JSON",
-        help="keyword arguments of FACTORY as a JSON object, e.g. '{\"train\": false}'",
-    )
-    s.add_argument(
-        "--holdout",
-        "--test-fraction",
-        dest="test_fraction",
-        type=float,
-        default=0.0,
-        metavar="F",
-        help="share held out into OUT/test (stratified if the Dataset has .targets); default 0: "
-        "everything goes to OUT/SPLIT",
-    )
-    s.add_argument(
-        "--split",
-        choices=SPLITS,
-        default="train",
-        help="where everything goes without --holdout (default train; write a test Dataset with --split test)",
-    )
+    io = argparse.ArgumentParser(add_help=False)
+    _add_args(io, IO_ARGS)
+    common = argparse.ArgumentParser(add_help=False, parents=[io])
+    _add_args(common, COMMON_ARGS)
+    parents = {"io": io, "common": common}
+    sub = p.add_subparsers(dest="source", required=True, metavar="SOURCE")
+    for source in SOURCES:
+        s = sub.add_parser(
+            source.name,
+            parents=[parents[source.parent]],
+            help=source.help,
+            description=source.description,
+            epilog=source.epilog,
+        )
+        _add_args(s, source.args)
     return p
 
 

@@ -531,10 +531,7 @@ def convert_folder(
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    if color not in ("auto", "rgb", "gray"):
-        raise ConvertError(f"color must be auto, rgb or gray, got {color!r}")
-    if not 0.0 < holdout < 1.0:
-        raise ConvertError(f"--holdout must be between 0 and 1 (a share of each class for OUT/test), got {holdout}")
+    _check_folder_options(color, holdout)
     check_out(out, overwrite)
     names, files, labels, links = scan_folder(src, classes)
     skipped: list[tuple[str, str]] = []
@@ -544,6 +541,36 @@ def convert_folder(
         if on_skip is not None:
             on_skip(path, reason)
 
+    files, labels, mode, size = _mode_and_size(src, files, labels, color, size, skip_bad, skip)
+    shape = (3 if mode == "RGB" else 1, *size)
+    train, test = split_holdout(len(files), holdout, seed, labels)
+    records: dict[str, int] = {}
+    with staged(out, overwrite) as partial:
+        for name, order in zip(SPLITS, (train, test), strict=True):
+            with _Sink(partial / name, shape, shard_records) as sink:
+                _write_images(sink, src, [files[i] for i in order], labels[order], mode, size, skip_bad, skip)
+                if sink.count == 0:
+                    raise ConvertError(f"{src}: no {name} records: every image held out for {name} was skipped")
+                records[name] = sink.count
+            set_classes(partial / name, names)
+    return Summary(out=out, records=records, shape=shape, classes=names, mode=mode, skipped=skipped,
+                   seconds=time.perf_counter() - t0, links_not_followed=links)
+
+
+def _check_folder_options(color: str, holdout: float) -> None:
+    """convert_folder's options that argparse does not check for a caller of the Python API."""
+    if color not in ("auto", "rgb", "gray"):
+        raise ConvertError(f"color must be auto, rgb or gray, got {color!r}")
+    if not 0.0 < holdout < 1.0:
+        raise ConvertError(f"--holdout must be between 0 and 1 (a share of each class for OUT/test), got {holdout}")
+
+
+def _mode_and_size(src: Path, files: list[str], labels: np.ndarray, color: str, size: tuple[int, int] | None,
+                   skip_bad: bool, skip: Callable[[str, str], None]
+                   ) -> tuple[list[str], np.ndarray, str, tuple[int, int]]:
+    """The Pillow mode and (H, W) size every image is stored in, with the files (and their
+    labels) left after skipping unreadable ones. Only what --color auto or a missing --size
+    needs is read first: each file's header, not its pixels."""
     mode = {"rgb": "RGB", "gray": "L"}.get(color)
     if color == "auto" or size is None:
         gray, sizes = _headers(src, files, skip_bad, skip)
@@ -565,33 +592,28 @@ def convert_folder(
     if not files:
         raise ConvertError(f"{src}: every image was skipped as unreadable")
     assert size is not None and mode is not None
-    shape = (3 if mode == "RGB" else 1, *size)
-    train, test = split_holdout(len(files), holdout, seed, labels)
+    return files, labels, mode, size
+
+
+def _write_images(sink: _Sink, src: Path, files: list[str], labels: np.ndarray, mode: str,
+                  size: tuple[int, int], skip_bad: bool, skip: Callable[[str, str], None]) -> None:
+    """Decode SRC/files[k] one at a time into the sink with label labels[k]; an image Pillow
+    cannot decode stops the conversion, or with skip_bad is skipped (and reported)."""
     errors = _pillow_errors()
-    records: dict[str, int] = {}
-    with staged(out, overwrite) as partial:
-        for name, order in zip(SPLITS, (train, test), strict=True):
-            with _Sink(partial / name, shape, shard_records) as sink:
-                for i in order:
-                    path = src / files[i]
-                    try:
-                        image = load_image(path, mode, size)
-                    except errors as exc:
-                        if not skip_bad:
-                            raise ConvertError(f"{path}: cannot decode the image ({_one_line(exc)}); fix or "
-                                               "remove it, or pass --skip-bad to skip unreadable images") from None
-                        skip(str(path), _one_line(exc))
-                        continue
-                    if image.shape != shape:  # a header that lied about the size
-                        raise ConvertError(f"{path}: decoded to {image.shape[1:]} (HxW), not {shape[1:]}; "
-                                           "pass --size H[xW]")
-                    sink.add(image, int(labels[i]), files[i])
-                if sink.count == 0:
-                    raise ConvertError(f"{src}: no {name} records: every image held out for {name} was skipped")
-                records[name] = sink.count
-            set_classes(partial / name, names)
-    return Summary(out=out, records=records, shape=shape, classes=names, mode=mode, skipped=skipped,
-                   seconds=time.perf_counter() - t0, links_not_followed=links)
+    for rel, label in zip(files, labels, strict=True):
+        path = src / rel
+        try:
+            image = load_image(path, mode, size)
+        except errors as exc:
+            if not skip_bad:
+                raise ConvertError(f"{path}: cannot decode the image ({_one_line(exc)}); fix or "
+                                   "remove it, or pass --skip-bad to skip unreadable images") from None
+            skip(str(path), _one_line(exc))
+            continue
+        if image.shape != sink.shape:  # a header that lied about the size
+            raise ConvertError(f"{path}: decoded to {image.shape[1:]} (HxW), not {sink.shape[1:]}; "
+                               "pass --size H[xW]")
+        sink.add(image, int(label), rel)
 
 
 # ---- any map-style Dataset of (image tensor, int label) ----------------------------------------
@@ -708,6 +730,25 @@ def write_dataset(
     """
     t0 = time.perf_counter()
     out = Path(out)
+    n = _map_style_len(dataset)
+    if split not in SPLITS:
+        raise ConvertError(f"split must be 'train' or 'test', got {split!r}")
+    if not 0.0 <= holdout < 1.0:
+        raise ConvertError(f"holdout must be in [0, 1), got {holdout}")
+    if classes is None:
+        classes = _named_classes(dataset)
+    parts = _split_orders(dataset, n, holdout, seed, split)
+    check_out(out, overwrite, tuple(parts))
+    first_index = int(next(iter(parts.values()))[0])
+    shape = tuple(_get(dataset, first_index)[0].shape)
+    with staged(out, overwrite, tuple(parts)) as partial:
+        records = _write_parts(partial, dataset, parts, first_index, shape, classes, shard_records)
+    return Summary(out=out, records=records, shape=shape, classes=list(classes) if classes else None,
+                   seconds=time.perf_counter() - t0)
+
+
+def _map_style_len(dataset: Any) -> int:
+    """len(dataset), refusing what is not a non-empty map-style Dataset."""
     try:
         n = len(dataset)
         dataset.__getitem__  # noqa: B018 - a map-style Dataset needs both
@@ -716,42 +757,48 @@ def write_dataset(
                            "__getitem__)") from None
     if n == 0:
         raise ConvertError("the Dataset is empty (len 0)")
-    if split not in SPLITS:
-        raise ConvertError(f"split must be 'train' or 'test', got {split!r}")
-    if not 0.0 <= holdout < 1.0:
-        raise ConvertError(f"holdout must be in [0, 1), got {holdout}")
-    if classes is None:
-        named = getattr(dataset, "classes", None)
-        if isinstance(named, list | tuple) and named and all(isinstance(c, str) for c in named):
-            classes = list(named)
+    return n
+
+
+def _named_classes(dataset: Any) -> list[str] | None:
+    """The Dataset's `classes` attribute (torchvision's convention), if it is a list of strings."""
+    named = getattr(dataset, "classes", None)
+    if isinstance(named, list | tuple) and named and all(isinstance(c, str) for c in named):
+        return list(named)
+    return None
+
+
+def _split_orders(dataset: Any, n: int, holdout: float, seed: int, split: str) -> dict[str, np.ndarray]:
+    """The Dataset indices of each split written, in the (seeded, shuffled) order they are read."""
     if holdout:
         if n < 2:
             raise ConvertError("a holdout needs at least two items")
-        parts = dict(zip(SPLITS, split_holdout(n, holdout, seed, _targets(dataset, n)), strict=True))
-    else:
-        parts = {split: np.random.default_rng(seed).permutation(n)}
-    check_out(out, overwrite, tuple(parts))
-    first_index = int(next(iter(parts.values()))[0])
-    shape = tuple(_get(dataset, first_index)[0].shape)
+        return dict(zip(SPLITS, split_holdout(n, holdout, seed, _targets(dataset, n)), strict=True))
+    return {split: np.random.default_rng(seed).permutation(n)}
+
+
+def _write_parts(partial: Path, dataset: Any, parts: dict[str, np.ndarray], first_index: int,
+                 shape: tuple[int, ...], classes: Sequence[str] | None, shard_records: int | None) -> dict[str, int]:
+    """Read dataset[i] for each i of parts[name], in that order, into PARTIAL/<name>; returns the
+    records per split. Every image must have the shape of item first_index's, and the labels
+    (of this split and those before it) must have a name when class names are given."""
     records: dict[str, int] = {}
     top = -1
-    with staged(out, overwrite, tuple(parts)) as partial:
-        for name, order in parts.items():
-            with _Sink(partial / name, shape, shard_records) as sink:
-                for i in order:
-                    image, label = _get(dataset, int(i))
-                    if image.shape != shape:
-                        raise ConvertError(f"item {int(i)}: the image has shape {tuple(image.shape)} but item "
-                                           f"{first_index} has {shape}; every item must have one shape")
-                    top = max(top, label)
-                    sink.add(image, label, int(i))
-                records[name] = sink.count
-            if classes is not None:
-                if top >= len(classes):
-                    raise ConvertError(f"labels reach {top} but only {len(classes)} class names were given")
-                set_classes(partial / name, classes)
-    return Summary(out=out, records=records, shape=shape, classes=list(classes) if classes else None,
-                   seconds=time.perf_counter() - t0)
+    for name, order in parts.items():
+        with _Sink(partial / name, shape, shard_records) as sink:
+            for i in order:
+                image, label = _get(dataset, int(i))
+                if image.shape != shape:
+                    raise ConvertError(f"item {int(i)}: the image has shape {tuple(image.shape)} but item "
+                                       f"{first_index} has {shape}; every item must have one shape")
+                top = max(top, label)
+                sink.add(image, label, int(i))
+            records[name] = sink.count
+        if classes is not None:
+            if top >= len(classes):
+                raise ConvertError(f"labels reach {top} but only {len(classes)} class names were given")
+            set_classes(partial / name, classes)
+    return records
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
