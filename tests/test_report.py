@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpipipe import report
+from mpipipe import report, report_command
 from mpipipe.core.logs.runlog import RunLog
 from mpipipe.tools import logplot
 
@@ -103,7 +103,7 @@ def assert_png(path: Path) -> None:
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = report.main(argv)
+    code = report_command.main(argv)
     out, err = capsys.readouterr()
     return code, out, err
 
