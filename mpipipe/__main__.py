@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from mpipipe import cost, linkprobe_command, package_version, plan_command, report, train_command
+from mpipipe import cost, linkprobe_command, package_version, plan_command, report_command, train_command
 from mpipipe.respipe import chaos
 from mpipipe.tools import emulator
 
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_command.add_parser(sub)
     cost.add_parser(sub)
     plan_command.add_parser(sub)
-    report.add_parser(sub)
+    report_command.add_parser(sub)
     chaos.add_parser(sub)
     emulator.add_parser(sub)
     linkprobe_command.add_parser(sub)

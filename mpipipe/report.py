@@ -1,32 +1,29 @@
-"""The `report` subcommand: HDF5 run logs in, a terminal summary and PNG plots out.
+"""The `report` library: HDF5 run logs in, a terminal summary, tables and PNG plots out.
 
-One command reads every run either system writes (the schema is shared, see
+One report reads every run either system writes (the schema is shared, see
 docs/hdf5-log.md), so ResPipe can be laid over the plain pipeline and tuned
 batches over equal ones on the same axes. A log cut short by a killed run is
-reported up to its last step; a file that is not a run log gives one error
-line and exit status 2.
+reported up to its last step. The command line (``python -m mpipipe report``: its
+arguments, printing and exit status) is :mod:`mpipipe.report_command`; benches and
+scripts call the functions here.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import json
 import math
-import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
 from mpipipe.core.logs.logschema import RECIPE, EventKind
 from mpipipe.core.logs.logschema import required as required_columns
-from mpipipe.core.logs.progress import THROUGHPUT
 from mpipipe.core.logs.progress import throughput as _throughput
 from mpipipe.core.logs.runlog import LogError, RunData, open_for_reading, open_log
 from mpipipe.tools.logplot import (
@@ -46,10 +43,7 @@ from mpipipe.tools.logplot import (
     save,
 )
 
-__all__ = ["load_run", "summarize", "recipe_lines", "compare", "plot_runs", "plot_tradeoff", "add_parser",
-           "main"]
-
-PROG = "mpipipe report"
+__all__ = ["load_run", "summarize", "recipe_lines", "compare", "plot_runs", "plot_tradeoff"]
 
 # Columns a log must hold once its group has any rows (mpipipe/core/logs/logschema.py).
 _REQUIRED = {group: required_columns(group) for group in ("steps", "eval", "ranks")}
@@ -100,15 +94,15 @@ def load_run(path: str | Path) -> RunData:
             break
         except LogError as e:
             if not Path(path).exists() or "not an mpipipe run log" in str(e) or attempt == READ_TRIES - 1:
-                raise LogError(_one_line(str(e))) from None
+                raise LogError(one_line(str(e))) from None
         except KeyError as e:
             if attempt == READ_TRIES - 1:
-                raise LogError(_one_line(f"{path}: damaged run log: column {e} is missing "
+                raise LogError(one_line(f"{path}: damaged run log: column {e} is missing "
                                          f"(schema: docs/hdf5-log.md)")) from None
         except (OSError, ValueError, TypeError, RuntimeError) as e:
             # h5py raises these for a file damaged inside (bad chunk, broken link)
             if attempt == READ_TRIES - 1:
-                raise LogError(_one_line(f"{path}: damaged run log ({type(e).__name__}: {e})")) from None
+                raise LogError(one_line(f"{path}: damaged run log ({type(e).__name__}: {e})")) from None
         time.sleep(READ_RETRY_S)
     missing = _missing_event_columns(run.path)
     if missing:
@@ -135,7 +129,8 @@ def _missing_event_columns(path: Path) -> list[str]:
         return []
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
+    """``text`` on one line (an error message is one line of the report's output)."""
     return " ".join(text.split())
 
 
@@ -403,9 +398,18 @@ def _summarized(kind: str, counts: Counter[str]) -> bool:
 
 def summarize(run: RunData) -> str:
     """The terminal summary of one run: what ran, how far, how fast, where time went, what happened."""
+    lines = _about_lines(run) + _progress_lines(run)
+    if run.ranks:
+        lines += _rank_lines(run)
+    lines += _events_lines(run)
+    return "\n".join(lines)
+
+
+def _about_lines(run: RunData) -> list[str]:
+    """What ran: the file, system and status, when and where, plan, emulation, settings,
+    recipe and the data set's classes."""
     a = run.attrs
     status = str(a.get("status", "?"))
-    n = len(run.steps.get("step", []))
     lines = [f"== {run.path}  ({run.system}, {a.get('world_size', '?')} ranks, status: {status})"]
     if status == "running":
         lines.append(f"   ! the run did not finish (killed, or still going): reported up to step {last_step(run)}")
@@ -428,7 +432,13 @@ def summarize(run: RunData) -> str:
     names = dataset_classes(run)
     if names:
         lines.append("   " + classes_line(names))
+    return lines
 
+
+def _progress_lines(run: RunData) -> list[str]:
+    """How far and how fast: steps, samples, samples/s, the final loss and test accuracy."""
+    n = len(run.steps.get("step", []))
+    lines = []
     if n == 0:
         lines.append("   steps: none recorded")
     else:
@@ -444,39 +454,52 @@ def summarize(run: RunData) -> str:
     acc_text = f"{acc * 100:.2f}% (step {acc_step}, {len(run.eval.get('step', []))} evaluations)" \
         if not math.isnan(acc) else "not evaluated"
     lines.append(f"   final loss: {_fmt(final_loss(run), '.4f')}    test accuracy: {acc_text}")
+    return lines
 
-    if run.ranks:
-        role_of = roles(run)
-        stannis = any("batch_size" in c for c in run.ranks.values())
-        head = f"   {'rank':>4} {'role':<10} {'steps':>5} {'compute s':>10} {'wait s':>9} {'wait':>6} " \
-               f"{'step s':>8} {'sent':>10} {'received':>10}"
-        if stannis:
-            head += f" {'batch':>6} {'samples/s':>10} {'joules':>9} {'samples/J':>10}"
-        lines += ["   per rank (compute = forward, backward, optimizer; wait = blocked on messages):", head]
-        total_samples = total_j = 0.0
-        for rank, cols in run.ranks.items():
-            f = rank_figures(cols)
-            row = (f"   {rank:>4} {role_of.get(rank, '?'):<10} {f['steps']:>5.0f} {_fmt(f['compute_s'], '10.3f'):>10} "
-                   f"{_fmt(f['wait_s'], '9.3f'):>9} {_fmt(f['wait_frac'] * 100, '5.1f') + '%':>6} "
-                   f"{_fmt(f['step_s'], '8.4f'):>8} {_bytes(f['bytes_sent']):>10} {_bytes(f['bytes_recv']):>10}")
-            if stannis:
-                row += (f" {_fmt(f.get('batch_last', math.nan), '6.0f'):>6} "
-                        f"{_fmt(f.get('samples_per_s', math.nan), '10.1f'):>10} "
-                        f"{_fmt(f.get('joules', math.nan), '9.2f'):>9} "
-                        f"{_fmt(f.get('samples_per_j', math.nan), '10.2f'):>10}")
-                total_samples += 0 if math.isnan(f.get("samples", math.nan)) else f["samples"]
-                total_j += 0 if math.isnan(f.get("joules", math.nan)) else f["joules"]
-            lines.append(row)
-        for rank in idle_ranks(run):
-            lines.append(f"   {rank:>4} {role_of.get(rank, '?'):<10} {0:>5}  idle: no step rows (a backup "
-                         f"that stood by, or a rank gone before its first step)")
-        if stannis:
-            lines.append("   (samples/s per rank = samples / compute time: the rank's own speed; samples/J = "
-                         "samples / joules)")
-        if stannis and total_j > 0:
-            lines.append(f"   energy: {total_j:,.1f} J in all, {total_samples / total_j:,.2f} samples per joule")
 
-    lines.append(f"   events: {len(run.events) or 'none'}")
+def _rank_lines(run: RunData) -> list[str]:
+    """Where time went: one row per rank (Stannis: with batch, speed and energy), the idle
+    ranks, and Stannis's energy in all."""
+    role_of = roles(run)
+    stannis = any("batch_size" in c for c in run.ranks.values())
+    head = f"   {'rank':>4} {'role':<10} {'steps':>5} {'compute s':>10} {'wait s':>9} {'wait':>6} " \
+           f"{'step s':>8} {'sent':>10} {'received':>10}"
+    if stannis:
+        head += f" {'batch':>6} {'samples/s':>10} {'joules':>9} {'samples/J':>10}"
+    lines = ["   per rank (compute = forward, backward, optimizer; wait = blocked on messages):", head]
+    total_samples = total_j = 0.0
+    for rank, cols in run.ranks.items():
+        f = rank_figures(cols)
+        row = (f"   {rank:>4} {role_of.get(rank, '?'):<10} {f['steps']:>5.0f} {_fmt(f['compute_s'], '10.3f'):>10} "
+               f"{_fmt(f['wait_s'], '9.3f'):>9} {_fmt(f['wait_frac'] * 100, '5.1f') + '%':>6} "
+               f"{_fmt(f['step_s'], '8.4f'):>8} {_bytes(f['bytes_sent']):>10} {_bytes(f['bytes_recv']):>10}")
+        if stannis:
+            row += _stannis_columns(f)
+            total_samples += 0 if math.isnan(f.get("samples", math.nan)) else f["samples"]
+            total_j += 0 if math.isnan(f.get("joules", math.nan)) else f["joules"]
+        lines.append(row)
+    for rank in idle_ranks(run):
+        lines.append(f"   {rank:>4} {role_of.get(rank, '?'):<10} {0:>5}  idle: no step rows (a backup "
+                     f"that stood by, or a rank gone before its first step)")
+    if stannis:
+        lines.append("   (samples/s per rank = samples / compute time: the rank's own speed; samples/J = "
+                     "samples / joules)")
+    if stannis and total_j > 0:
+        lines.append(f"   energy: {total_j:,.1f} J in all, {total_samples / total_j:,.2f} samples per joule")
+    return lines
+
+
+def _stannis_columns(f: dict[str, float]) -> str:
+    """The columns a Stannis rank adds to its row: last batch, samples/s, joules, samples/J."""
+    return (f" {_fmt(f.get('batch_last', math.nan), '6.0f'):>6} "
+            f"{_fmt(f.get('samples_per_s', math.nan), '10.1f'):>10} "
+            f"{_fmt(f.get('joules', math.nan), '9.2f'):>9} "
+            f"{_fmt(f.get('samples_per_j', math.nan), '10.2f'):>10}")
+
+
+def _events_lines(run: RunData) -> list[str]:
+    """What happened: every event, except kinds so frequent that they are counted instead."""
+    lines = [f"   events: {len(run.events) or 'none'}"]
     role_of = roles(run)
     counts = Counter(e["kind"] for e in run.events)
     for ev in run.events:
@@ -485,7 +508,7 @@ def summarize(run: RunData) -> str:
     for kind in sorted(k for k in counts if _summarized(k, counts)):
         steps = [e["step"] for e in run.events if e["kind"] == kind]
         lines.append(f"    {kind} x{counts[kind]} (steps {min(steps)}..{max(steps)})")
-    return "\n".join(lines)
+    return lines
 
 
 def labels_for(runs: Sequence[RunData]) -> list[str]:
@@ -703,18 +726,38 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], out: str | Path, *, title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    need = ("mode", "R", "link_mbit", "overhead", "lost_updates")
+    _check_tradeoff_rows(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    _draw_tradeoff(left, right, rows, measured_lost)
+    _label_tradeoff(left, right)
+    if title:
+        fig.suptitle(title)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save(fig, path)
+
+
+_TRADEOFF_KEYS = ("mode", "R", "link_mbit", "overhead", "lost_updates")
+_MODES = ("cold", "hot", "neighbour")  # the order of ResPipe's modes in the legend
+
+
+def _check_tradeoff_rows(rows: Sequence[dict[str, Any]]) -> None:
+    """Raises ValueError for no rows, or a row without one of the keys the plot reads."""
     if not rows:
         raise ValueError("plot_tradeoff needs at least one row")
     for row in rows:
-        missing = [k for k in need if k not in row]
+        missing = [k for k in _TRADEOFF_KEYS if k not in row]
         if missing:
             raise ValueError(f"a trade-off row lacks {', '.join(missing)}: {row}")
-    modes = sorted({r["mode"] for r in rows}, key=lambda m: ("cold", "hot", "neighbour").index(m)
-                   if m in ("cold", "hot", "neighbour") else 9)
+
+
+def _draw_tradeoff(left: Any, right: Any, rows: Sequence[dict[str, Any]],
+                   measured_lost: Sequence[tuple[str, int, float]]) -> None:
+    """Overhead per mode and link rate on ``left``; the lost-update bound per mode, and
+    the losses measured, on ``right`` (a colour per mode, a line style per link rate)."""
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: _MODES.index(m) if m in _MODES else 9)
     rates = sorted({float(r["link_mbit"]) for r in rows})
     colors = _run_colors(len(modes))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode, color in zip(modes, colors, strict=True):
         for i, rate in enumerate(rates):
             pts = sorted((r["R"], 100 * r["overhead"]) for r in rows
@@ -728,6 +771,10 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], out: str | Path, *, title: str
         color = colors[modes.index(mode)] if mode in modes else "black"
         right.plot([r], [lost], marker="x", markersize=10, color=color, linestyle="none",
                    label=f"{mode}: lost in a node-kill run")
+
+
+def _label_tradeoff(left: Any, right: Any) -> None:
+    """Axes, titles, grids and legends of the two trade-off panels (a label once)."""
     left.axhline(0, color="grey", linewidth=0.8)
     left.set_xscale("log")
     left.set_xlabel("replication interval R (steps)")
@@ -742,111 +789,3 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], out: str | Path, *, title: str
         handles, labels = ax.get_legend_handles_labels()
         unique = dict(zip(labels, handles, strict=True))
         ax.legend(unique.values(), unique.keys(), fontsize=7)
-    if title:
-        fig.suptitle(title)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return save(fig, path)
-
-
-# ---------------------------------------------------------------- command line
-
-
-def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("logs", nargs="+", metavar="RUN.h5",
-                        help="HDF5 run logs (several are compared and overlaid, labelled by file name)")
-    parser.add_argument("--out", metavar="DIR",
-                        help="directory for the PNG plots (default: the directory of the first log)")
-    parser.add_argument("--no-plots", action="store_true", help="print the summary only")
-    parser.set_defaults(func=run_report)
-    return parser
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``report`` on the dispatcher's subparsers; it sets ``func`` (args -> exit status)."""
-    return _configure(subparsers.add_parser(
-        "report", help="summarise run logs and plot them",
-        description="Summarise HDF5 run logs in the terminal and write PNG plots: loss, accuracy and "
-                    "samples/s against step and time with events marked, per-rank step time split into "
-                    "compute and waiting, and for stannis per-rank batch size and samples per joule. "
-                    f"{THROUGHPUT}. A log may be read while its run still writes it.",
-    ))
-
-
-class _Stdout:
-    """Standard output that goes quiet when the reader leaves (``report X.h5 | head -1``):
-    the rest of the report (the plots) is still made, and no BrokenPipeError is printed."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream, self.closed = stream, False
-
-    def write(self, text: str) -> int:
-        if not self.closed:
-            try:
-                self.stream.write(text)
-                self.stream.flush()
-            except BrokenPipeError:
-                self.closed = True
-                try:  # Python flushes stdout at exit: point it at /dev/null first
-                    devnull = os.open(os.devnull, os.O_WRONLY)
-                    os.dup2(devnull, self.stream.fileno())
-                    os.close(devnull)
-                except (OSError, ValueError, AttributeError):
-                    pass
-        return len(text)
-
-    def flush(self) -> None:
-        self.write("")
-
-
-def run_report(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """Body of ``report``: 0 when every log was reported, 2 when one could not be read.
-
-    A log that cannot be read gets one error line naming it; the others are reported
-    all the same, and the exit status says that one failed.
-    """
-    stdout = _Stdout(stdout or sys.stdout)  # type: ignore[assignment]
-    stderr = stderr or sys.stderr
-    runs, failed = [], False
-    for path in args.logs:
-        try:
-            runs.append(load_run(path))
-        except LogError as e:
-            print(f"{PROG}: error: {e}", file=stderr, flush=True)
-            failed = True
-    if not runs:
-        return 2
-    status = 2 if failed else 0
-    out = Path(args.out) if args.out else runs[0].path.parent
-    if not args.no_plots:
-        try:  # before any output, so that a bad --out is one error line and nothing else
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            print(f"{PROG}: error: cannot write plots to {out}: {_one_line(str(e))}", file=stderr)
-            return 2
-    for run in runs:
-        print(summarize(run), file=stdout)
-        print(file=stdout)
-    if len(runs) > 1:
-        print(compare(runs), file=stdout)
-        print(file=stdout)
-    if not args.no_plots:
-        try:
-            paths = plot_runs(runs, out)
-        except OSError as e:
-            print(f"{PROG}: error: cannot write plots to {out}: {_one_line(str(e))}", file=stderr)
-            return 2
-        print("plots: " + ", ".join(str(p) for p in paths), file=stdout)
-    return status
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m mpipipe report ...`` as a function, for tests and scripts."""
-    parser = _configure(argparse.ArgumentParser(
-        prog=PROG, description="Summarise HDF5 run logs and write PNG plots (see docs/hdf5-log.md)."))
-    args = parser.parse_args(argv)
-    return run_report(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

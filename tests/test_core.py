@@ -250,7 +250,7 @@ def test_a_new_writer_waits_for_a_replaced_one_and_keeps_each_records_time(tmp_p
         survivor.event("takeover", step=1, rank=1)
         survivor.step(2, loss=2.0, samples=4, samples_per_s=1.0)
         made_to = survivor.elapsed()
-        assert survivor._file is None  # still held: both records wait in memory
+        assert survivor.writer is None  # still held: both records wait in memory
         holder.stdin.close()  # let go only now, so both are written after made_to
         survivor.close("completed", wait_s=20)  # waits for the holder to exit
         holder.wait(20)
@@ -289,7 +289,7 @@ log.take_over(order=1)  # the file is held: its records wait
 log.event("log_writer_moved", step=2, rank=1, previous=0)
 for s in (2, 3):
     log.step(s, loss=float(s), samples=4, samples_per_s=1.0, ranks={1: {"compute_s": 0.5}})
-assert log._file is None
+assert log.writer is None
 print("waiting", flush=True)
 time.sleep(600)
 """
@@ -356,7 +356,7 @@ def test_a_new_writer_opens_only_once_the_old_one_says_it_let_go(tmp_path):
     survivor = RunLog.null(path, writer.start)
     survivor.take_over(lambda: let_go[0])
     survivor.event("resume", step=1)
-    assert survivor._file is None  # not opened while the old writer may still write
+    assert survivor.writer is None  # not opened while the old writer may still write
     let_go[0] = True
     survivor.close("completed")
     run = open_log(path)
@@ -415,8 +415,8 @@ def test_open_log_reads_a_log_cut_mid_row(tmp_path):
     log = RunLog(path, system="mpipipe", config={}, comm_size=1)
     for s in (1, 2):
         log.step(s, loss=0.5, samples=4, samples_per_s=1.0)
-    log._file["steps"]["step"].resize((3,))  # a kill between two column writes
-    log._file.flush()
+    log.writer.file["steps"]["step"].resize((3,))  # a kill between two column writes
+    log.writer.file.flush()
     run = open_log(path)
     assert run.attrs["status"] == "running"
     assert len(run.steps["step"]) == len(run.steps["loss"]) == 2

@@ -161,7 +161,7 @@ def test_resumed_log_drops_the_rows_after_the_checkpoint_and_keeps_one_time_axis
     log.eval(5, accuracy=0.5)
     log.eval(7, accuracy=0.6)
     log.event("fault_injected", step=6, rank=1)
-    log._file.close()  # killed: status stays running
+    log.writer.file.close()  # killed: status stays running
     t0 = open_log(path).attrs["start_unix"]
     with pytest.raises(OSError):
         RunLog(path, system="mpipipe", config={}, comm_size=2, mode="x")

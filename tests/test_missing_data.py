@@ -149,7 +149,7 @@ def _log(path: Path, *, status: str, steps: int = 0, event_step: int | None = No
     if event_step is not None:
         log.event("fault_injected", step=event_step, rank=1, fault="kill")
     if status == "running":
-        log._file.close()  # a killed run: no close()
+        log.writer.file.close()  # a killed run: no close()
     else:
         log.close(status)
     return path

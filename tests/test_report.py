@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpipipe import report
+from mpipipe import report, report_command
 from mpipipe.core.logs.runlog import RunLog
 from mpipipe.tools import logplot
 
@@ -83,7 +83,7 @@ def truncated_log(path: Path) -> Path:
     for step in range(1, 8):
         log.step(step, time=0.1 * step, loss=1.0 / step, samples=32, samples_per_s=320.0,
                  ranks={r: {"compute_s": 0.05, "wait_s": 0.05, "bytes_sent": 10, "bytes_recv": 10} for r in (0, 1)})
-    log._file.close()  # what SIGKILL leaves behind: no close(), so status stays 'running'
+    log.writer.file.close()  # what SIGKILL leaves behind: no close(), so status stays 'running'
     with h5py.File(path, "a") as f:
         for name in ("step", "time"):  # step 8 began to be written, loss and the rest did not
             ds = f["steps"][name]
@@ -103,7 +103,7 @@ def assert_png(path: Path) -> None:
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = report.main(argv)
+    code = report_command.main(argv)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -184,7 +184,7 @@ def test_truncated_log_is_reported_to_its_last_step(tmp_path: Path, capsys: pyte
 @pytest.mark.timeout(60)
 def test_log_without_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "early.h5"
-    RunLog(path, system="mpipipe", config={}, comm_size=2)._file.close()
+    RunLog(path, system="mpipipe", config={}, comm_size=2).writer.file.close()
     code, out, err = run_main([str(path), "--no-plots"], capsys)
     assert code == 0, err
     assert "steps: none recorded" in out and "events: none" in out

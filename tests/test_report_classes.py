@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import native
-from mpipipe import report
+from mpipipe import report, report_command
 from mpipipe.core.logs.runlog import RunLog
 
 CLASSES = ["ant", "bee", "cat"]
@@ -36,7 +36,7 @@ def make_log(path: Path, data_path: Path, system: str = "mpipipe") -> Path:
 
 
 def report_of(log: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = report.main([str(log), "--no-plots"])
+    code = report_command.main([str(log), "--no-plots"])
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -13,7 +13,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from mpipipe import report  # noqa: E402
+from mpipipe import report, report_command  # noqa: E402
 from mpipipe.core.logs.runlog import RunData, RunLog  # noqa: E402
 from mpipipe.tools import logplot  # noqa: E402
 
@@ -57,7 +57,7 @@ def axes_titled(figures: list[Any], title: str) -> Any:
 def test_the_accuracy_axis_ends_at_100_percent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     figures = drawn_figures(monkeypatch)
     log = near_perfect_log(tmp_path / "run.h5")
-    assert report.main([str(log), "--out", str(tmp_path / "plots")]) == 0
+    assert report_command.main([str(log), "--out", str(tmp_path / "plots")]) == 0
     for x in ("step", "time"):
         ax = axes_titled(figures, f"test accuracy against {x}")
         lo, hi = ax.get_ylim()
