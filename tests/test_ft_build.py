@@ -61,7 +61,7 @@ if me in (0, 1):
 meet()
 # (not played: a member that dies while another waits for it; Open MPI then crashes
 # the waiting process now and then, which is why ResPipe checks that every member is
-# there before it builds: Rounds._ready, tests/test_chaos_found.py)
+# there before it builds: Membership._ready, tests/test_chaos_found.py)
 os._exit(0)
 """
 

@@ -19,9 +19,9 @@ _ANNOUNCE, _DECISION, _DEMOTED, _END, _FIGS, _FAULT, _EVAL = range(1, 8)
 _REJOIN, _ADMIT, _CLOSED = range(8, 11)
 _RELEASED = 11  # on the lobby: a replaced log writer has closed the file
 _STOP, _STOP_ASK = 12, 13  # the clean stop (mpipipe.core.mpi.stop.ControlStop), on the control plane
-_LOSS = 14  # the last stage's loss of a step, to the writer's successor (Logbook._report)
+_LOSS = 14  # the last stage's loss of a step, to the writer's successor (Logbook.report)
 # On the lobby, before a generation is built: a member is there to build it (to the round's
-# coordinator), and the coordinator's verdict, build or run the round again (Rounds._ready).
+# coordinator), and the coordinator's verdict, build or run the round again (Membership._ready).
 _READY, _GO = 15, 16
 _CTL_LEN = 256
 

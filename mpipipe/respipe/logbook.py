@@ -138,7 +138,7 @@ class Logbook:
         self.keep_figs(figs)
         # The loss exists on the last stage and the writer only: a copy goes to a third
         # stage (_loss_keeper), so that the row keeps its loss when the writer and the
-        # last stage are lost together (a new writer rebuilds the row, _move_log).
+        # last stage are lost together (a new writer rebuilds the row, move_log).
         keeper = self.loss_keeper()
         if not math.isnan(figs[2]) and keeper is not None:
             self.m.control.send(_LOSS, self.m.drank(keeper), [s, figs[2]], seq=s)
@@ -282,7 +282,7 @@ class Logbook:
     def take_losses(self, passes: int = 1, back: int = 1) -> None:
         """The loss keeper keeps the last stage's recent losses (see _report): the steps
         from ``back`` before its own to its own, each looked at ``passes`` times (a probe
-        finds a message only once MPI progressed it, see _collect_figs). At each step it
+        finds a message only once MPI progressed it, see collect_figs). At each step it
         looks at two (a copy is sent at the end of the last stage's step, so it may come
         a step late: two probes a step); a round looks at the last five, four times."""
         last = self.m.route_w[-1]

@@ -127,7 +127,7 @@ def from_group(world: Any, ranks: list[int], tag: str, wait_s: float | None = No
     a round. A caveat no thread can help: when Open MPI processes the death of a member
     while such a call waits (here or in a thread left blocked), it was seen to crash
     the process (a segmentation fault in ``ompi_comm_revoke_local``). So callers first
-    make sure every member is there (ResPipe: ``Rounds._ready``), and this time limit
+    make sure every member is there (ResPipe: ``Membership._ready``), and this time limit
     is the last line, for a member that dies in between.
 
     A build left blocked may also harm a later build of the same members (one failed
