@@ -71,7 +71,7 @@ def test_a_replica_carries_the_whole_state_and_its_size_is_known_before_a_step()
     _train(a, 3)
     flat = a.pack()
     assert flat.numel() == size == a.nbytes
-    b = a.for_module(_net(seed=5), step=0)
+    b = StageState(_net(seed=5), _adam)
     b.unpack(flat, a.step)
     _same(a, b)
     _train(a, 2)

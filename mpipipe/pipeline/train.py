@@ -51,11 +51,6 @@ class Setup:
     checkpoint_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The stage's optimizer (None on a rank without a stage)."""
-        return self.state.optimizer if self.state is not None else None
-
 
 def check_same_weights(run: Run, pipe: Pipeline) -> None:
     """Every rank built the whole model from the same seed: a stage and its backups must

@@ -5,7 +5,7 @@ replicas, the hot mirror, rollback snapshots, rejoin re-syncs and neighbour merg
 (:meth:`pack` / :meth:`unpack` / :meth:`absorb`), checkpoints (:meth:`save` /
 :meth:`load`), Stannis's broadcast of the host's state, and the final state a script
 gets back (:meth:`model_state`). Nothing else builds or replaces a stage's optimizer:
-a promoted backup or a merged neighbour asks for a new state (:meth:`for_module`).
+a promoted backup or a merged neighbour builds a new state with the run's recipe.
 
 Two encodings of one state, each where it fits (docs/internals.md, "A stage's state"):
 
@@ -54,12 +54,6 @@ class StageState:
         self._make_optimizer = make_optimizer
         self.optimizer = optimizer if optimizer is not None else make_optimizer(module)
         self.step = int(step)
-
-    def for_module(self, module: nn.Module, *, step: int | None = None) -> StageState:
-        """A state of another stage module, with a new optimizer from the same recipe
-        (a backup promoted to a stage, a holder of a ward's replica)."""
-        return StageState(module, self._make_optimizer,
-                          step=self.step if step is None else step)
 
     # -- in flight: the flat buffer ------------------------------------------------------
     @property
