@@ -209,3 +209,24 @@ def test_members_killed_after_ready_twice_in_a_row_cost_two_more_rounds(runs):
     assert {e["detail"]["stage"] for e in run.events_of("takeover")} == {1}
     fired = [e for e in run.events_of("fault_injected") if "build=1" in e["detail"]["fault"]]
     assert len(fired) == 2, run.events
+
+
+@pytest.mark.timeout(600)
+def test_a_replaced_writer_that_outlives_every_other_rank_closes_the_log(runs):
+    # Seed 10 #25 (neighbour, R = 1): the writer (stage 0) stalls and is replaced; its
+    # successor holds stages 0-1, then every other rank is killed while the old writer
+    # still sleeps. It woke, let go of the log and left with exit 0: the log said
+    # 'running' and the successor's rows stayed in its journal. Now the last rank alive
+    # writes the journals and closes the log as a lost stage, with exit 2.
+    result, log, _ = runs("last-alive-replaced-writer", 3, "resilience.backups={}",
+                          'resilience.mode="neighbour"', "resilience.replicate_every=1",
+                          "resilience.deadline_factor=3.0",
+                          "inject:stall:stage=0:step=5:micro=2:seconds=3",
+                          "inject:kill:stage=2:step=8", "inject:kill:stage=1:step=11")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "Traceback" not in result.stderr, result.stderr[-4000:]
+    run = open_log(log)
+    assert str(run.attrs["status"]).startswith("failed: stage"), run.attrs["status"]
+    steps = [int(s) for s in run.steps["step"]]
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= 10, steps
+    assert not list(Path(log).parent.glob(f"{Path(log).stem}.queue-*.jsonl"))

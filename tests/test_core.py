@@ -347,6 +347,29 @@ def test_a_journal_of_another_run_or_cut_by_a_kill_is_read_safely(tmp_path):
     assert foreign.exists() and not cut.exists()  # another run's journal is not ours to remove
 
 
+def test_the_last_rank_alive_closes_an_abandoned_log_and_never_a_finished_one(tmp_path):
+    # Chaos seed 10 #25: a replaced writer woke to find every other rank dead; the log
+    # said 'running' and the dead successor's rows were in its journal.
+    path = tmp_path / "run.h5"
+    writer = RunLog(path, system="mpipipe", config={}, comm_size=3)
+    writer.step(1, loss=1.0, samples=4, samples_per_s=1.0)
+    writer.release()  # the replaced writer let go
+    successor = RunLog.null(path, writer.start)
+    successor.take_over(lambda: False, order=1)  # still waiting for the file when killed
+    successor.step(2, loss=2.0, samples=4, samples_per_s=1.0)
+    successor._takeover._drop_journal(keep=True)  # as a kill leaves it: the journal stays
+    last = RunLog.null(path, writer.start)
+    assert last.close_abandoned("failed: stage 1 lost") is True
+    run = open_log(path)
+    assert run.attrs["status"] == "failed: stage 1 lost"
+    assert list(run.steps["step"]) == [1, 2]
+    assert not list(tmp_path.glob("*.jsonl"))
+    # A log whose run is over is never rewritten (ranks that exited look dead to ULFM).
+    assert RunLog.null(path, writer.start).close_abandoned("failed: again") is False
+    assert open_log(path).attrs["status"] == "failed: stage 1 lost"
+    assert RunLog.null(tmp_path / "none.h5", writer.start).close_abandoned("failed: x") is False
+
+
 def test_a_new_writer_opens_only_once_the_old_one_says_it_let_go(tmp_path):
     # HDF5's lock is off on many parallel file systems: the hand-off must not need it.
     path = tmp_path / "run.h5"

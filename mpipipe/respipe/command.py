@@ -166,7 +166,7 @@ def train(run: Any) -> int:
     except StopRun as e:  # a data error or a stop signal: every rank leaves, none takes over
         _stopped(run, rp, e, s.checkpoint_dir)
     except Demoted as e:
-        _demoted(run, e)
+        _demoted(run, rp, e)
     return _finish(run, rp, result)
 
 
@@ -200,16 +200,39 @@ def _stopped(run: Any, rp: ResPipe, e: StopRun, checkpoint_dir: Path | None) -> 
     stop.flush_and_exit(e.exit_code)
 
 
-def _demoted(run: Any, e: Demoted) -> None:
-    """This rank was late and replaced: one line, and it leaves (exit 0)."""
+def _demoted(run: Any, rp: ResPipe, e: Demoted) -> None:
+    """This rank was late and replaced: one line, and it leaves (exit 0).
+
+    Unless it is the last rank alive: the stages that replaced it died while it was
+    stalled, and nobody is left to close the log (their records wait in its journals).
+    Then it writes them and closes the log as a lost stage, and leaves with exit 2.
+    """
     from mpipipe.core.mpi import stop
 
+    lost = _everyone_else_dead(rp)
+    if lost is not None and run.log.close_abandoned(f"failed: {lost}"):
+        print(f"{run.prog}: error: {lost}", file=sys.stderr, flush=True)
+        stop.flush_and_exit(2)
     print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
           f"the job without sending anything", file=sys.stderr, flush=True)
     # (a replaced log writer let go of the log: a survivor writes it now)
     # Leave without MPI_Finalize, whose world-wide agreement would wait for ranks
     # that have moved on (or, after a lost stage, exited with an error).
     stop.flush_and_exit(0)
+
+
+def _everyone_else_dead(rp: ResPipe) -> StageLost | None:
+    """The lost stage to report when ULFM knows every other rank of the job to be dead
+    (None while any may live): the first stage of the route this rank last knew whose
+    rank is among them."""
+    world = rp.m.world
+    others = set(range(world.Get_size())) - {rp.wrank}
+    if not rp.m.ulfm or not others or not others <= set(ft.failed_ranks(world)):
+        return None
+    stage, rank = next(((k, w) for k, w in enumerate(rp.m.route_w) if w != rp.wrank),
+                       (0, min(others)))
+    return StageLost(stage, rank, "failed, as did every other rank of the job after this "
+                                  "rank was replaced,")
 
 
 def _finish(run: Any, rp: ResPipe, result: Mapping[str, Any]) -> int:

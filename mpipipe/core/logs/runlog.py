@@ -42,6 +42,9 @@ from mpipipe.core.logs.logschema import EventKind, SchemaError, check_columns, e
 from mpipipe.core.logs.logtakeover import Takeover
 from mpipipe.core.logs.logwriter import Clock, LogWriter, package_versions
 
+# The journal order of a last rank closing an abandoned log: after every hand-over's.
+_LAST_ORDER = 999_999
+
 __all__ = ["FORMAT", "FORMAT_VERSION", "RunLog", "LogError", "RunData", "open_log", "open_for_reading",
            "package_versions", "EventKind", "SchemaError"]
 
@@ -264,6 +267,30 @@ class RunLog:
             raise LogError("this rank's log does not know the run's file; cannot take it over")
         self._takeover = Takeover(self.path, self._clock, self._system, ready, order)
         self._try_open()
+
+    def close_abandoned(self, status: str) -> bool:
+        """Close a log that no live rank writes any more: the last rank alive of a run
+        whose writers all left (ResPipe: a replaced writer that woke to find every other
+        rank dead). The journals the dead writers left are written first; then ``status``.
+
+        A log whose run is already over (its status is not ``running``), or whose file
+        another process still holds, is left exactly as it is. Returns True if this
+        rank closed it with ``status``.
+        """
+        if self.active or self.path is None or not self.path.is_file():
+            return False
+        try:
+            with h5py.File(self.path, "r") as f:
+                if f.attrs.get("format") != FORMAT or str(f.attrs.get("status", "")) != "running":
+                    return False
+        except (OSError, BlockingIOError):  # held by a live writer, or not a log
+            return False
+        try:
+            self.take_over(None, order=_LAST_ORDER)
+            return self.close(status, wait_s=5.0) == status
+        except LogError as e:
+            print(f"mpipipe: error: {e}", file=sys.stderr, flush=True)
+            return False
 
     def _try_open(self, wait_s: float = 0.0) -> bool:
         """Open a taken-over log (retrying for ``wait_s``) and write what waited.
