@@ -57,7 +57,7 @@ class _Campaign:
         self.testbed, self.slots = campaign.testbed_slots(args, 1 + self.csds)
 
     def draw(self, rng: random.Random, index: int) -> Scenario:
-        from mpipipe.core.mpi.faults import FaultError, check_nodes, check_reachable, parse_all
+        from mpipipe.core.mpi.faults import check_nodes, check_reachable, parse_all
         from mpipipe.core.run.configfile import load_config
 
         from .config import STANNIS_CHOICES, STANNIS_DEFAULTS, stannis_plan
@@ -67,26 +67,23 @@ class _Campaign:
         sets = [*self.args.set, f"run.steps={n}", f"run.eval_every={n // 2}"]
         cfg = load_config(self.config, sets, STANNIS_DEFAULTS, STANNIS_CHOICES)
         plan = stannis_plan(cfg, world)
-        faults: list[str] = []
         kill_host = rng.random() < self.args.host_kills
         hosts = ["mpt-" + node for node in self.slots[:world]]
         # the host's node never: no run survives losing the host (check_nodes refuses it)
         nodes = sorted(set(self.slots[1:world]) - set(self.slots[:1]))
-        for i in range(rng.choice((1, 1, 2, 2, 3))):
-            for _attempt in range(20):
-                if nodes and not (kill_host and i == 0) and rng.random() < campaign.NODE_FAULT_P:
-                    # no partition: Stannis finds a lost CSD by ULFM only (docs/stannis.md)
-                    spec = campaign.node_fault(rng, nodes, n, partition=False)
-                else:
-                    spec = self._fault(rng, n, faults, host=kill_host and i == 0)
-                try:
-                    check_reachable(parse_all([*faults, spec]), plan, steps=n)
-                    if hosts:
-                        check_nodes(parse_all([*faults, spec]), hosts, plan)
-                except FaultError:
-                    continue
-                faults.append(spec)
-                break
+
+        def draw(i: int, earlier: list[str]) -> str:
+            if nodes and not (kill_host and i == 0) and rng.random() < campaign.NODE_FAULT_P:
+                # no partition: Stannis finds a lost CSD by ULFM only (docs/stannis.md)
+                return campaign.node_fault(rng, nodes, n, partition=False)
+            return self._fault(rng, n, earlier, host=kill_host and i == 0)
+
+        def check(specs: list[str]) -> None:
+            check_reachable(parse_all(specs), plan, steps=n)
+            if hosts:
+                check_nodes(parse_all(specs), hosts, plan)
+
+        faults = campaign.draw_faults(rng, draw, check)
         targets = campaign.hit_ranks(faults, hosts, lambda f: f.rank)
         knobs = {"CSDs": self.csds, "N": n, "retune_every": self.retune, "world": world}
         return Scenario(index, world, sets, faults, knobs,

@@ -208,27 +208,22 @@ def _draw_backups(rng: random.Random, k: int, mode: str, slots: int) -> tuple[di
 
 def _draw_faults(rng: random.Random, cfg: dict, plan: LaunchPlan, n: int, hosts: list[str],
                  nodes: list[str], fault: Callable[[list[str]], str]) -> list[str]:
-    """One to three fault specs, each redrawn (up to 20 times) until it can fire with
-    the ones before it: a node fault now and then on a testbed, else ``fault(earlier)``."""
-    from mpipipe.core.mpi.faults import FaultError, check_nodes, parse_all
+    """One to three fault specs that can fire together (:func:`campaign.draw_faults`): a
+    node fault now and then on a testbed, else ``fault(earlier)``."""
+    from mpipipe.core.mpi.faults import check_nodes, parse_all
     from mpipipe.core.run.cli import check_faults
 
-    faults: list[str] = []
-    for _ in range(rng.choice((1, 1, 2, 2, 3))):
-        for _attempt in range(20):
-            if nodes and rng.random() < campaign.NODE_FAULT_P:
-                spec = campaign.node_fault(rng, nodes, n)
-            else:
-                spec = fault(faults)
-            try:
-                check_faults(cfg, plan, [*faults, spec], n)
-                if hosts:
-                    check_nodes(parse_all([*faults, spec]), hosts, plan)
-            except FaultError:
-                continue
-            faults.append(spec)
-            break
-    return faults
+    def draw(_i: int, earlier: list[str]) -> str:
+        if nodes and rng.random() < campaign.NODE_FAULT_P:
+            return campaign.node_fault(rng, nodes, n)
+        return fault(earlier)
+
+    def check(faults: list[str]) -> None:
+        check_faults(cfg, plan, faults, n)
+        if hosts:
+            check_nodes(parse_all(faults), hosts, plan)
+
+    return campaign.draw_faults(rng, draw, check)
 
 
 def _rows_nan_allowed(faults: list[str], hosts: list[str], plan: LaunchPlan) -> list[int]:

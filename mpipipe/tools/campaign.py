@@ -232,6 +232,29 @@ def node_fault(rng: random.Random, nodes: Sequence[str], steps: int, *,
     return f"partition:node={node}:step={step}:seconds={rng.choice(PARTITION_S)}"
 
 
+def draw_faults(rng: random.Random, draw: Callable[[int, list[str]], str],
+                check: Callable[[list[str]], None]) -> list[str]:
+    """A scenario's faults: one to three specs, the i-th ``draw(i, earlier)``, each redrawn
+    (up to 20 times) until ``check`` accepts it with the ones before it (it raises
+    ``FaultError`` for a list that cannot fire as written); after 20 refusals it is left out.
+
+    Why one place: the order of the draws is what makes a seeded scenario the same
+    scenario on every machine, for every system's campaign."""
+    from mpipipe.core.mpi.faults import FaultError
+
+    faults: list[str] = []
+    for i in range(rng.choice((1, 1, 2, 2, 3))):
+        for _attempt in range(20):
+            spec = draw(i, faults)
+            try:
+                check([*faults, spec])
+            except FaultError:
+                continue
+            faults.append(spec)
+            break
+    return faults
+
+
 def hit_ranks(faults: Sequence[str], hosts: Sequence[str],
               rank_of: Callable[[Any], int | None]) -> list[int]:
     """Every rank a fault aims at: ``rank_of(fault)`` for a rank's or a stage's, and every
