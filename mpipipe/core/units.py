@@ -56,13 +56,14 @@ def parse_rate(text: str) -> float:
 
 
 def parse_link_rate(text: str) -> float:
-    """A link's rate -> Mbit/s: ``"100mbit"``, ``"1gbit"``, ``"500kbit"`` (``/s`` and
-    ``ps`` optional), or a plain number of Mbit/s.
+    """A link's rate -> Mbit/s: ``"100mbit"``, ``"1gbit"``, ``"500kbit"`` (or ``100mbit/s``,
+    ``100mbps``), or a plain number of Mbit/s.
 
     Raises:
         ValueError: anything else, or a rate that is not positive.
     """
-    s = str(text).strip().lower().removesuffix("/s").removesuffix("ps")
+    s = str(text).strip().lower().removesuffix("/s")
+    s = s[:-3] + "bit" if s.endswith("bps") else s
     m = re.fullmatch(rf"{_NUMBER}\s*([a-z]*)", s)
     unit = "mbit" if m and not m.group(2) else (m.group(2) if m else "")
     if not m or unit not in _LINK:
