@@ -7,7 +7,7 @@ import pytest
 from mpipipe.core.units import format_rate, parse_duration, parse_link_rate, parse_rate
 
 
-@pytest.mark.parametrize("text, seconds", [("90s", 90), ("20m", 1200), ("30min", 1800), ("1h", 3600),
+@pytest.mark.parametrize("text, seconds", [("90s", 90), ("20m", 1200), ("30min", 1800), ("1h", 3600), ("50ms", 0.05),
                                            ("2d", 172800), ("12", 12), ("0.5h", 1800), ("h", 3600)])
 def test_durations(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)

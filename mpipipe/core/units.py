@@ -11,7 +11,7 @@ import re
 
 __all__ = ["parse_duration", "parse_rate", "parse_link_rate", "format_rate"]
 
-_SECONDS = {"": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "hour": 3600.0,
+_SECONDS = {"": 1.0, "ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "hour": 3600.0,
             "d": 86400.0, "day": 86400.0}
 _NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
 _DURATION = re.compile(rf"\s*{_NUMBER}?\s*([a-z]*)\s*")
@@ -19,14 +19,14 @@ _LINK = {"bit": 1e-6, "kbit": 1e-3, "mbit": 1.0, "gbit": 1e3}
 
 
 def parse_duration(text: str) -> float:
-    """``"90s"``, ``"20m"``, ``"30min"``, ``"1h"``, ``"2d"`` or plain seconds -> seconds (> 0).
+    """``"50ms"``, ``"90s"``, ``"20m"``, ``"30min"``, ``"1h"``, ``"2d"`` or plain seconds -> seconds (> 0).
 
     Raises:
         ValueError: anything else, or a duration that is not positive.
     """
     m = _DURATION.fullmatch(str(text).lower())
     if not m or m.group(2) not in _SECONDS or (m.group(1) is None and not m.group(2)):
-        raise ValueError(f"{text!r} is not a duration: give one such as 90s, 20m, 30min, 1h or 2d")
+        raise ValueError(f"{text!r} is not a duration: give one such as 50ms, 90s, 20m, 30min, 1h or 2d")
     seconds = float(m.group(1) or 1) * _SECONDS[m.group(2)]
     if seconds <= 0:
         raise ValueError(f"{text!r}: a duration must be positive")

@@ -47,6 +47,8 @@ __all__ = [
     "exposed_bytes",
     "link_seconds",
     "shapes_from_config",
+    "cut_from_config",
+    "Cut",
     "MODES",
 ]
 
@@ -374,6 +376,36 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
     (non-empty when the run may cut elsewhere). ``in_shape_arg`` is "C,H,W" when the
     data set is not there to read the shape from.
     """
+    from mpipipe.core.run import recipe
+
+    cut = cut_from_config(cfg, in_shape_arg)
+    try:
+        shapes, in_bytes = stage_shapes(cut.parts, cut.in_shape, cut.make_optimizer,
+                                        stages=cfg["pipeline"]["stages"])
+    except recipe.RecipeError as e:
+        raise ValueError(str(e)) from None
+    return shapes, in_bytes, cut.balance, cut.note
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The model of a configuration, cut into its chunks as the run would cut it."""
+
+    parts: list[Any]  # the chunks in order (stage s holds s, s + K, ...)
+    in_shape: tuple[int, ...]
+    make_optimizer: Callable[[Any], Any]
+    balance: list[int]
+    note: str  # non-empty when the run may cut elsewhere
+
+
+def cut_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Cut:
+    """The model of ``cfg``, built with its seed and cut as the run would (by parameters
+    when automatic): what the cost and goodput models measure.
+
+    Raises:
+        ValueError: a bad ``--in-shape``, no data set to read the shape from, or a
+            model the recipe cannot build (one line each).
+    """
     import torch
 
     from mpipipe.core.run import recipe
@@ -406,9 +438,4 @@ def shapes_from_config(cfg: Mapping[str, Any], in_shape_arg: str | None = None
         balance = balance_by_params(model, k, v, cfg["pipeline"]["chunks"])
         if cfg["pipeline"]["balance_by"] == "time":
             note = " (by parameters; the run balances by measured time and may cut elsewhere)"
-    try:
-        shapes, in_bytes = stage_shapes(split(model, balance), in_shape,
-                                        made.make_optimizer, stages=k)
-    except recipe.RecipeError as e:
-        raise ValueError(str(e)) from None
-    return shapes, in_bytes, balance, note
+    return Cut(split(model, balance), tuple(in_shape), made.make_optimizer, list(balance), note)
