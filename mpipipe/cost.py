@@ -199,7 +199,8 @@ def _goodput(args: Any, cfg: Mapping[str, Any], shapes: Sequence[Any], backups: 
     except ValueError as e:
         raise ValueError(f"--link-rate: {e}") from None
     k, batch, chunks = cfg["pipeline"]["stages"], cfg["data"]["batch_size"], cfg["pipeline"]["chunks"]
-    compute, pack = goodput.measure_costs(cut_from_config(cfg, args.in_shape), k,
+    cut = cut_from_config(cfg, args.in_shape)
+    compute, pack = goodput.measure_costs(cut.parts, cut.in_shape, cut.make_optimizer, k,
                                           batch_size=batch, chunks=chunks)
     costs = goodput.Costs(compute, batch, chunks, link, pack, _time(args.detect, "--detect"),
                           _time(args.takeover, "--takeover"), label, in_bytes)

@@ -9,6 +9,7 @@ from mpipipe.core.run.cli import Request, Run, add_train_arguments, planned_step
 from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
 from mpipipe.pipeline.plan import pipeline_plan
 from mpipipe.pipeline.schedule import SCHEDULES
+from mpipipe.respipe.auto import requested
 from mpipipe.respipe.placement import check_hosts
 
 __all__ = ["add_parser", "main", "run_training"]
@@ -82,10 +83,11 @@ def run_training(request: Request) -> Run | None:
     with set_aside(run) as run:
         if run is None:
             return None  # a spare rank: it idled until the job ended
-        if run.plan.ranks_of("backup") or run.cfg["resilience"]["inject"] or _ulfm():
-            # ResPipe: backup ranks exist, faults are injected, or ULFM can report a dead
-            # stage: the resilient loop drives the job (without backups it stops cleanly,
-            # naming the lost stage).
+        if run.plan.ranks_of("backup") or run.cfg["resilience"]["inject"] or _ulfm() \
+                or requested(run.cfg):
+            # ResPipe: backup ranks exist, faults are injected, ULFM can report a dead
+            # stage, or "auto" is to choose its mode and R: the resilient loop drives the
+            # job (without backups it stops cleanly, naming the lost stage).
             from mpipipe.respipe.command import train as respipe_train
 
             run.status = int(respipe_train(run))

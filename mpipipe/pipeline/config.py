@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpipipe.core.run.configfile import IntOrAuto
 from mpipipe.core.run.lr import SCHEDULES as LR_SCHEDULES
 from mpipipe.core.run.recipe import MODEL_DEFAULTS, OPTIM_DEFAULTS
 from mpipipe.pipeline.schedule import SCHEDULES, get, virtual_stages
@@ -56,8 +57,10 @@ PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     "plan": {},  # explicit launch plan: role name -> rank, e.g. "stage 0" = 0
     "resilience": {
         "backups": {},  # stage -> number of backup ranks, e.g. {1 = 1}; "all": one per stage
-        "replicate_every": 1,  # R: refresh replicas every R steps
-        "mode": "cold",  # cold | hot | neighbour
+        "replicate_every": IntOrAuto(1),  # R: refresh replicas every R steps; "auto": chosen
+        "mode": "cold",  # cold | hot | neighbour | auto (chosen at start-up, docs/goodput.md)
+        "failure_rate": "",  # failures per rank you expect, e.g. "1/30min": what "auto" weighs
+        "link_rate": "auto",  # for "auto": each node's link, e.g. "100mbit"; "auto": measured
         "deadline_s": 30.0,  # a wait longer than this marks the sender late
         "deadline_factor": 0.0,  # if > 0: deadline = factor x running median of that wait
         "allow_same_node": False,  # true: a backup may share its stage's node (multi-node worlds)
@@ -70,7 +73,7 @@ PIPELINE_CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": LR_SCHEDULES,
     "pipeline.balance_by": ("time", "params"),
     "pipeline.schedule": SCHEDULES,
-    "resilience.mode": ("cold", "hot", "neighbour"),
+    "resilience.mode": ("cold", "hot", "neighbour", "auto"),
 }
 
 

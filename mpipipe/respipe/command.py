@@ -16,6 +16,7 @@ from torch import nn
 from mpipipe.core.logs.runlog import LogError
 from mpipipe.core.mpi import ft
 from mpipipe.core.mpi.stop import StopRun
+from mpipipe.respipe import auto
 from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 from mpipipe.respipe.trainer import Demoted, ResPipe, Settings, StageLost
 
@@ -134,9 +135,14 @@ def train(run: Any) -> int:
     s = plain.setup(run, Pipeline)
     cfg, log, progress = run.cfg, run.log, run.progress
     try:
-        Settings.from_config(cfg, s.pipe.k, s.pipe.chunks)
+        wanted = auto.AutoRequest.from_config(cfg, has_backups=bool(run.plan.ranks_of("backup")),
+                                              virtual=s.pipe.v > 1)
+        if wanted is None:
+            Settings.from_config(cfg, s.pipe.k, s.pipe.chunks)
     except ValueError as e:
         run.fail(e)
+    if wanted is not None:
+        cfg = _choose(run, s, wanted)
     if run.rank == 0:
         print(f"{run.prog}: {ft.startup_note()}", flush=True)  # even under --quiet
     reader = _LazyReader(cfg)
@@ -168,6 +174,29 @@ def train(run: Any) -> int:
     except Demoted as e:
         _demoted(run, rp, e)
     return _finish(run, rp, result)
+
+
+def _choose(run: Any, s: Any, wanted: auto.AutoRequest) -> dict[str, Any]:
+    """``"auto"``: measure, choose the mode and R on rank 0, log it; the resolved config."""
+    from mpipipe.core.logs.runlog import EventKind
+    from mpipipe.pipeline.plan import backup_counts
+
+    if run.rank == 0:
+        print(f"{run.prog}: resilience \"auto\": measuring the stages and the link to choose "
+              f"{' or '.join(wanted.modes)} mode and R", flush=True)
+    backups = backup_counts(run.cfg["resilience"]["backups"], s.pipe.k)
+    choice = auto.choose(run, s.pipe, wanted, in_shape=s.in_shape,
+                         make_optimizer=run.recipe.make_optimizer, backups=backups,
+                         steps=s.total_steps, batch_size=run.cfg["data"]["batch_size"])
+    run.log.event(EventKind.RESILIENCE_CHOSEN, step=0, rank=0, **choice.detail())
+    if run.rank == 0:
+        print(f"{run.prog}: resilience \"auto\" chose {choice.why}", flush=True)
+    cfg = auto.resolved(run.cfg, choice)
+    try:
+        Settings.from_config(cfg, s.pipe.k, s.pipe.chunks)
+    except ValueError as e:
+        run.fail(e)
+    return cfg
 
 
 def _stage_lost(run: Any, rp: ResPipe, e: StageLost) -> None:

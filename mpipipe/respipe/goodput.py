@@ -243,47 +243,59 @@ def young_daly_R(replica_s: float, step_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * replica_s * mtbf_s) / step_s
 
 
-def measure_costs(cut: Any, stages_k: int, *, batch_size: int, chunks: int, repeats: int = 5
+def measure_costs(parts: Sequence[Any], in_shape: Sequence[int], make_optimizer: Any,
+                  stages_k: int, *, batch_size: int, chunks: int, repeats: int = 5
                   ) -> tuple[list[float], float]:
-    """Each stage's forward and backward of one mini-batch on this machine's one core, and
+    """Each stage's forward, backward and optimizer step of one mini-batch on one core, and
     the rate at which a state is copied into a replica: (seconds per stage, bytes/s).
 
-    ``cut``: :func:`costmodel.cut_from_config`'s. Why measure here: the model needs the
-    stages' compute, and the cost command runs without MPI; the user can scale it to
-    their nodes (``--step-time``). The median of ``repeats`` after one warm-up.
+    ``parts``: the model's chunks in order (stage s holds s, s + K, ...), or a pipeline's
+    stage modules. The caller passes copies where the modules must not change (a forward
+    in training mode moves BatchNorm's statistics). Why measure: the model needs the
+    stages' compute, and the cost command runs without MPI. The median of ``repeats``
+    after one warm-up.
     """
     import statistics
     import time
 
     import torch
 
+    from mpipipe.pipeline.partition import StageChunks
+
+    if parts and all(isinstance(p, StageChunks) for p in parts):
+        k, v = len(parts), len(parts[0].chunks)
+        parts = [parts[c % k].chunks[c // k] for c in range(v * k)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        x = torch.randn(batch_size, *cut.in_shape)
+        x = torch.randn(batch_size, *in_shape)
         ins = []
         with torch.no_grad():
-            for part in cut.parts:
+            for part in parts:
                 ins.append(x)
                 x = part(x)
         seconds = [0.0] * stages_k
-        for c, part in enumerate(cut.parts):
+        for c, part in enumerate(parts):
             inp = ins[c].clone().requires_grad_(ins[c].is_floating_point())
+            optimizer = make_optimizer(part) if any(p.requires_grad for p in part.parameters()) \
+                else None
             times = []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
                 out = part(inp)
                 out.float().sum().backward()
+                if optimizer is not None:
+                    optimizer.step()
                 times.append(time.perf_counter() - t0)
                 part.zero_grad(set_to_none=True)
             seconds[c % stages_k] += statistics.median(times[1:])
-        pack = _pack_rate(cut, stages_k, repeats)
+        pack = _pack_rate(list(parts), make_optimizer, stages_k, repeats)
     finally:
         torch.set_num_threads(threads)
     return seconds, pack
 
 
-def _pack_rate(cut: Any, stages_k: int, repeats: int) -> float:
+def _pack_rate(parts: list[Any], make_optimizer: Any, stages_k: int, repeats: int) -> float:
     """Bytes per second that the largest stage's state packs into its replica message
     (:meth:`StageState.pack`, as a replica is sent)."""
     import statistics
@@ -293,7 +305,7 @@ def _pack_rate(cut: Any, stages_k: int, repeats: int) -> float:
 
     from mpipipe.core.state.stagestate import StageState
 
-    states = [StageState(nn.ModuleList(cut.parts[s::stages_k]), cut.make_optimizer)
+    states = [StageState(nn.ModuleList(parts[s::stages_k]), make_optimizer)
               for s in range(stages_k)]
     state = max(states, key=lambda st: st.nbytes)
     out = state.pack()

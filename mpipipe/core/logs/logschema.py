@@ -121,6 +121,8 @@ class EventKind(enum.StrEnum):
 
     COST_MODEL = "cost_model"
     """ResPipe, step 0: the cost model's prediction for the run."""
+    RESILIENCE_CHOSEN = "resilience_chosen"
+    """ResPipe: ``"auto"`` chose the mode and R (step 0), or R again at a round."""
     FAULT_INJECTED = "fault_injected"
     """All: an injected fault fired."""
     LATE = "late"

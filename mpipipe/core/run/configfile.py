@@ -17,7 +17,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "dump_toml", "load_config", "parse_override"]
+__all__ = ["ConfigError", "IntOrAuto", "dump_toml", "load_config", "parse_override"]
+
+
+class IntOrAuto(int):
+    """A schema default for a key that takes an integer or ``"auto"`` (the run chooses it,
+    e.g. ``resilience.replicate_every``)."""
 
 
 class ConfigError(ValueError):
@@ -42,6 +47,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def _type_ok(default: Any, value: Any) -> bool:
     if default is None:
         return True
+    if isinstance(default, IntOrAuto):
+        return value == "auto" or (isinstance(value, int) and not isinstance(value, bool))
     if isinstance(default, bool):
         return isinstance(value, bool)
     if isinstance(default, float):
@@ -55,6 +62,8 @@ def _type_ok(default: Any, value: Any) -> bool:
 
 
 def _type_name(default: Any) -> str:
+    if isinstance(default, IntOrAuto):
+        return 'an integer or "auto"'
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
             list: "a list", dict: "a table"}.get(type(default), type(default).__name__)
 
