@@ -24,8 +24,8 @@ from typing import Any
 
 from mpipipe.respipe import goodput
 
-__all__ = ["AutoRequest", "Choice", "requested", "choose", "resolved", "rechoose", "cpu_budget",
-           "cpu_factors"]
+__all__ = ["AutoRequest", "Choice", "Retune", "requested", "choose", "resolved", "rechoose",
+           "retune_reason", "cpu_budget", "cpu_factors", "RETUNE_FAILURES", "RETUNE_STEP"]
 
 # Where the model's input and the run disagree by more than this factor, R is chosen again.
 DRIFT = 1.5
@@ -243,41 +243,124 @@ def _measure_and_choose(pipe: Any, request: AutoRequest, link: float, *,
                   request.failure_rate, best.step_s, best.goodput)
 
 
+RETUNE_FAILURES, RETUNE_STEP = 1, 2  # why R was chosen again (bits of Decision.retuned)
+
+
 def rechoose(request: AutoRequest, chosen: Choice, *, shapes: Sequence[Any],
              batch_size: int, chunks: int, labels: int, input_bytes: int,
              backups: Mapping[int, int], steps: int, failures: int, elapsed_s: float,
-             ranks: int, step_s: float | None) -> tuple[Choice, str] | None:
-    """At a takeover round: a new R (same mode) when the run has drifted from the model's
-    input, with the reason; None when it has not (or R is not ``"auto"``).
+             ranks: int, step_s: float | None) -> tuple[Choice, int, float] | None:
+    """At a takeover round: a new choice of R (same mode) when the run has drifted from the
+    model's input; None when it has not (or R is not ``"auto"``). Also returns why (the
+    ``RETUNE_*`` bits) and the factor put on the stages' compute.
 
     Drift: more failures than the configured rate makes likely (a Poisson tail of at most
     ``SURPRISE``), the rate then taken as failures / elapsed time per rank; or a measured
-    step (``step_s``) ``DRIFT`` times off the model's, the stages' compute then scaled.
-    Pure: the coordinator calls it and puts the answer in its decision.
+    step (``step_s``) ``DRIFT`` times off the model's, the stages' compute then scaled so
+    that the model's step is the one measured. Pure: the coordinator calls it and puts
+    the answer in its decision.
     """
     if len(request.rs) < 2 or elapsed_s <= 0:
         return None
-    reasons, rate = [], chosen.failure_rate
-    expected = chosen.failure_rate * ranks * elapsed_s
-    if failures > 0 and _poisson_tail(failures, expected) <= SURPRISE:
+    why, rate = 0, chosen.failure_rate
+    if failures > 0 and _poisson_tail(failures, chosen.failure_rate * ranks * elapsed_s) <= SURPRISE:
         rate = failures / (ranks * elapsed_s)
-        reasons.append(f"{failures} failure(s) in {elapsed_s:.0f} s, where the configured rate "
-                       f"expects {expected:.2g}")
-    compute = list(chosen.compute_s)
-    if step_s is not None and chosen.step_s > 0 and \
+        why |= RETUNE_FAILURES
+    scale = 1.0
+    if step_s is not None and step_s > 0 and chosen.step_s > 0 and \
             max(step_s / chosen.step_s, chosen.step_s / step_s) >= DRIFT:
-        compute = [c * step_s / chosen.step_s for c in compute]
-        reasons.append(f"a measured step of {1000 * step_s:.1f} ms, where the model had "
-                       f"{1000 * chosen.step_s:.1f} ms")
-    if not reasons:
+        scale = step_s / chosen.step_s
+        why |= RETUNE_STEP
+    if not why:
         return None
-    costs = goodput.Costs(compute, batch_size, chunks, chosen.link_mbit, chosen.pack_bytes_per_s,
-                          label_bytes=labels, input_bytes=input_bytes)
+    costs = goodput.Costs([c * scale for c in chosen.compute_s], batch_size, chunks,
+                          chosen.link_mbit, chosen.pack_bytes_per_s, label_bytes=labels,
+                          input_bytes=input_bytes)
     same_mode = replace(request, modes=(chosen.mode,))
-    best, why = _best(same_mode, shapes, {chosen.mode: costs, "": costs}, rate, backups, steps)
-    new = replace(chosen, replicate_every=best.R, why=why, compute_s=tuple(compute),
+    best, text = _best(same_mode, shapes, {chosen.mode: costs, "": costs}, rate, backups, steps)
+    new = replace(chosen, replicate_every=best.R, why=text, compute_s=tuple(costs.compute_s),
                   failure_rate=rate, step_s=best.step_s, goodput=best.goodput)
-    return new, "; ".join(reasons)
+    return new, why, scale
+
+
+def retune_reason(why: int, failures: int, elapsed_s: float, step_s: float, model_s: float) -> str:
+    """The log's words for the ``RETUNE_*`` bits."""
+    out = []
+    if why & RETUNE_FAILURES:
+        out.append(f"{failures} failure(s) in {elapsed_s:.0f} s: more than the failure rate "
+                   "given makes likely")
+    if why & RETUNE_STEP:
+        out.append(f"a measured step of {1000 * step_s:.1f} ms, where the model had "
+                   f"{1000 * model_s:.1f} ms")
+    return "; ".join(out)
+
+
+class Retune:
+    """R chosen again at takeover rounds: the round's coordinator proposes it in its
+    decision (:meth:`propose`), and every member takes it when it applies the decision
+    (:meth:`applied`), so all agree from the same step on. Only R: a mode changes what
+    runs on every rank, so it stays as chosen at start-up.
+
+    Each member counts the ranks the rounds it applied left out (the failures) from the
+    start of training; the coordinator adds those of its own round.
+    """
+
+    def __init__(self, request: AutoRequest, choice: Choice, *, in_shape: Sequence[int],
+                 make_optimizer: Any, batch_size: int, labels: int, steps: int) -> None:
+        import time
+
+        self.request, self.choice = request, choice
+        self.in_shape, self.make_optimizer = tuple(in_shape), make_optimizer
+        self.batch_size, self.labels, self.steps = batch_size, labels, steps
+        self.failures = 0
+        self.start = time.monotonic()
+
+    def _elapsed(self) -> float:
+        import time
+
+        return time.monotonic() - self.start
+
+    def propose(self, d: Any, m: Any) -> Any:
+        """The coordinator's decision ``d`` with R chosen again if the run drifted."""
+        from mpipipe.respipe.costmodel import stage_shapes
+
+        if d.lost_stage >= 0 or d.merge >= 0:  # (a merge changes the stages: kept as it is)
+            return d
+        gone = len(set(m.members) - set(d.members))
+        shapes, in_bytes = stage_shapes(m.pipe.partitions, self.in_shape, self.make_optimizer)
+        backups = {k: len(v) for k, v in d.backups.items()}
+        answer = rechoose(self.request, self.choice, shapes=shapes, batch_size=self.batch_size,
+                          chunks=m.pipe.chunks, labels=self.labels, input_bytes=in_bytes,
+                          backups=backups, steps=self.steps, failures=self.failures + gone,
+                          elapsed_s=self._elapsed(), ranks=len(m.members),
+                          step_s=m.median_step() or None)
+        if answer is None:
+            return d
+        new, why, scale = answer
+        return replace(d, replicate_every=new.replicate_every, retuned=why,
+                       failure_rate=new.failure_rate, compute_scale=scale,
+                       model_step_s=new.step_s)
+
+    def applied(self, d: Any, gone: Sequence[int], m: Any, log_event: Any) -> None:
+        """Every member: count the round's failures; take a new R, and log it with why."""
+        from mpipipe.core.logs.logschema import EventKind
+        from mpipipe.respipe.settings import Settings
+
+        self.failures += len(gone)
+        if not d.replicate_every:
+            return
+        before = self.choice
+        reason = retune_reason(d.retuned, self.failures, self._elapsed(), m.median_step(),
+                               before.step_s)
+        self.choice = replace(before, replicate_every=d.replicate_every,
+                              failure_rate=d.failure_rate, step_s=d.model_step_s,
+                              compute_s=tuple(c * d.compute_scale for c in before.compute_s))
+        settings: Settings = m.settings
+        m.settings = replace(settings, replicate_every=d.replicate_every)
+        log_event(EventKind.RESILIENCE_CHOSEN, d.step, m.wrank, mode=before.mode,
+                  replicate_every=d.replicate_every, previous=before.replicate_every,
+                  why=f"chosen again at generation {d.gen}: {reason}",
+                  failure_rate_per_s=d.failure_rate, step_s=d.model_step_s)
 
 
 def _poisson_tail(n: int, mean: float) -> float:

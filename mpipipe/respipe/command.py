@@ -141,8 +141,9 @@ def train(run: Any) -> int:
             Settings.from_config(cfg, s.pipe.k, s.pipe.chunks)
     except ValueError as e:
         run.fail(e)
+    retune = None
     if wanted is not None:
-        cfg = _choose(run, s, wanted)
+        cfg, retune = _choose(run, s, wanted)
     if run.rank == 0:
         print(f"{run.prog}: {ft.startup_note()}", flush=True)  # even under --quiet
     reader = _LazyReader(cfg)
@@ -161,7 +162,7 @@ def train(run: Any) -> int:
                      evaluate=_eval_fn(cfg, s.eval_batches), log=log,
                      progress=progress, comm=run.comm,
                      in_shape=s.in_shape, checkpoint_dir=s.checkpoint_dir, resume=resume,
-                     schedule=s.schedule)
+                     schedule=s.schedule, retune=retune)
     except checkpoint.CheckpointError as e:  # a backup's (a stage's failed in setup)
         error = str(e)
     plain.agree(run, error)
@@ -176,8 +177,9 @@ def train(run: Any) -> int:
     return _finish(run, rp, result)
 
 
-def _choose(run: Any, s: Any, wanted: auto.AutoRequest) -> dict[str, Any]:
-    """``"auto"``: measure, choose the mode and R on rank 0, log it; the resolved config."""
+def _choose(run: Any, s: Any, wanted: auto.AutoRequest) -> tuple[dict[str, Any], auto.Retune | None]:
+    """``"auto"``: measure, choose the mode and R on rank 0, log it; the resolved config,
+    and what chooses R again at rounds (None when R is fixed)."""
     from mpipipe.core.logs.runlog import EventKind
     from mpipipe.pipeline.plan import backup_counts
 
@@ -196,7 +198,14 @@ def _choose(run: Any, s: Any, wanted: auto.AutoRequest) -> dict[str, Any]:
         Settings.from_config(cfg, s.pipe.k, s.pipe.chunks)
     except ValueError as e:
         run.fail(e)
-    return cfg
+    retune = None
+    if len(wanted.rs) > 1:
+        retune = auto.Retune(wanted, choice, in_shape=s.in_shape,
+                             make_optimizer=run.recipe.make_optimizer,
+                             batch_size=run.cfg["data"]["batch_size"],
+                             labels=8 if s.pipe.labels == "travel" and s.pipe.k > 1 else 0,
+                             steps=s.total_steps)
+    return cfg, retune
 
 
 def _stage_lost(run: Any, rp: ResPipe, e: StageLost) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 
 __all__ = ["VERSION", "REASONS", "MessageError", "StateReport", "Decision", "encode", "decode"]
 
-VERSION = 1  # raise on any change of a field list or of how a field type travels
+VERSION = 2  # raise on any change of a field list or of how a field type travels
 
 # Why a round started, as announced; the index is what travels.
 REASONS = ("none", "late", "failed", "revoked", "announced", "rejoin", "rebuild")
@@ -103,6 +103,14 @@ class Decision(_Message):
     admit_stage: int  # the stage it backs up (-1: none)
     backups: dict[int, tuple[int, ...]]  # stage -> its backups in the new generation
     log: int  # the world rank writing the log
+    # "auto" (mpipipe.respipe.auto.Retune): R from the applied round on (0: unchanged), why
+    # it was chosen again (RETUNE_* bits), and the model's inputs the choice assumed: the
+    # failure rate per rank (per second), the factor on the measured compute, its step
+    replicate_every: int = 0
+    retuned: int = 0
+    failure_rate: float = 0.0
+    compute_scale: float = 1.0
+    model_step_s: float = 0.0
 
     @property
     def comm_tag(self) -> str:

@@ -23,6 +23,7 @@ from mpipipe.core.mpi import ft, watchdog
 from mpipipe.core.mpi.faults import FaultPlan
 from mpipipe.core.mpi.stop import ControlStop
 from mpipipe.core.mpi.transport import Late, PeerFailed, pause
+from mpipipe.respipe.auto import Retune
 from mpipipe.respipe.control import _ANNOUNCE, _DECISION, _DEMOTED, _Control
 from mpipipe.respipe.decide import View, decide, eval_point, round_patience, stage_holders
 from mpipipe.respipe.hot import HotMirror
@@ -45,8 +46,9 @@ class Rounds:
 
     def __init__(self, m: Membership, replicas: Replicas, hot: HotMirror, book: Logbook,
                  rejoin: Rejoin, *, faults: FaultPlan, stopper: ControlStop,
-                 evaluates: bool) -> None:
+                 evaluates: bool, retune: Retune | None = None) -> None:
         self.m, self.replicas, self.hot, self.book, self.rejoin = m, replicas, hot, book, rejoin
+        self.retune = retune  # replicate_every = "auto": R chosen again at rounds
         self.faults, self.stopper = faults, stopper
         self.evaluates = evaluates
         self.total, self.eval_every = 0, 0
@@ -152,8 +154,10 @@ class Rounds:
 
     def _decide(self, heard: Mapping[int, StateReport], dead: set[int],
                 silent: Sequence[int]) -> Decision:
-        """The coordinator's verdict (the pure :func:`decide` on what it heard and knows)."""
-        return decide(heard, self._view(heard, dead, silent), self.m.settings)
+        """The coordinator's verdict (the pure :func:`decide` on what it heard and knows),
+        with R chosen again where ``"auto"`` finds the run drifted from its model."""
+        d = decide(heard, self._view(heard, dead, silent), self.m.settings)
+        return d if self.retune is None else self.retune.propose(d, self.m)
 
     def _send_decision(self, rnd: Round, decision: Decision, silent: Sequence[int]) -> None:
         """The coordinator sends the decision to every member (and the lobby's answer to a
@@ -286,6 +290,8 @@ class Rounds:
                             backups_before=backups_before, lost_stages=lost_stages,
                             t_comm=t_comm)
         self.takeovers += len(lost_stages)
+        if self.retune is not None:
+            self.retune.applied(d, gone, m, self.book.log_event)
         if go_on:
             self.hot.go_on()
         else:

@@ -56,6 +56,7 @@ from mpipipe.core.mpi.transport import REPLICA, Late, PeerFailed, set_wait_hook
 from mpipipe.core.run.batches import DataFault
 from mpipipe.core.state.checkpoint import CheckpointError
 from mpipipe.core.state.statecodec import pack_state, state_nbytes, unpack_state
+from mpipipe.respipe.auto import Retune
 from mpipipe.respipe.control import _ANNOUNCE, _DEMOTED, _END, _STOP, _STOP_ASK
 from mpipipe.respipe.decide import round_patience
 from mpipipe.respipe.hot import HotMirror
@@ -124,6 +125,7 @@ class ResPipe:
         checkpoint_dir: Any = None,
         resume: tuple[int, Callable[[int], Any]] | None = None,
         schedule: Any = None,
+        retune: Retune | None = None,
     ) -> None:
         from mpi4py import MPI
 
@@ -151,7 +153,7 @@ class ResPipe:
         self.stopper = ControlStop(m, _STOP, _STOP_ASK)
         self.rounds = Rounds(m, self.replicas, self.hot, self.book, self.rejoin,
                              faults=self.faults, stopper=self.stopper,
-                             evaluates=evaluate is not None)
+                             evaluates=evaluate is not None, retune=retune)
         self.finished = False
         self._faults_at = -1  # a backup: the last step its faults were fired for
         pipe.after_forward = self.faults.at_step  # kills and stalls inside a step
