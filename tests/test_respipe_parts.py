@@ -18,6 +18,7 @@ from mpipipe.respipe.control import _ADMIT, _CLOSED, _REJOIN
 from mpipipe.respipe.logbook import Logbook
 from mpipipe.respipe.membership import MIN_DEADLINE_S, Membership
 from mpipipe.respipe.messages import Decision, Round, RoundStarted
+from mpipipe.respipe.mirror import Have
 from mpipipe.respipe.rejoin import Rejoin
 from mpipipe.respipe.replicas import Replicas, _Slot
 from mpipipe.respipe.rounds import Rounds
@@ -154,6 +155,17 @@ def test_membership_knows_the_route_holders_and_binds_the_pipe(membership: Membe
     assert m.holders_of(1) == [3] and m.holders_of(0) == []
     assert m.rollback_possible() and m.is_logger and m.drank(3) == 3
     assert m.pipe.route.generation == 0 and m.module(2) is m.pipe.partitions[2]
+    assert m.steps.engine is m.pipe and not (m.steps.resumable or m.steps.relay_grads)  # cold
+
+
+def test_the_hot_steps_around_the_engine_forget_what_peers_held_on_a_new_route() -> None:
+    m = Membership(world=_World(), plan=_Plan(), pipe=_Pipe(),
+                   settings=Settings(backups={1: 1}, mode="hot"))
+    assert m.steps.resumable and m.steps.relay_grads
+    assert m.pipe.route.shadows == ((1, 3),)  # the backup of stage 1 gets its relays
+    m.steps.peer_have = {1: Have(0, 1, 0, False)}
+    m.rebind()
+    assert m.steps.peer_have == {} and m.steps.engine is m.pipe
 
 
 def test_the_deadline_follows_the_median_step_but_not_in_a_generations_first_step(
@@ -346,7 +358,7 @@ def test_a_round_names_the_late_rank_by_its_world_rank_and_reports_what_it_holds
     m = _FakeMembership(stage=None, shadowing=1, wrank=3)
     m.members = [0, 1, 3, 2]  # data rank 2 is world rank 3
     m.ulfm, m.MPI = False, SimpleNamespace(ERR_REVOKED=-7)
-    m.pipe.last_state, m.pipe.resumable = None, False
+    m.steps = SimpleNamespace(last_state=None, resumable=False)  # the hot steps, idle
     replicas = Replicas(m, _sgd, (3,))
     rounds = Rounds(m, replicas, hot=None, book=None, rejoin=None,  # type: ignore[arg-type]
                     faults=None, stopper=None, evaluates=False)  # type: ignore[arg-type]

@@ -1,9 +1,9 @@
 """The pipeline engine: each rank runs its stage's chunks, micro-batches forward and back.
 
 The plain step executor lives here and does only what a plain pipeline needs: ResPipe's
-hot mirror (keeping a step's progress to finish it after a takeover, relaying to shadow
-ranks) is a subclass in :mod:`mpipipe.respipe.mirror`, so the plain step pays nothing
-for it.
+hot mode (keeping a step's progress to finish it after a takeover, relaying to shadow
+ranks) is :class:`mpipipe.respipe.mirror.HotSteps`, a part that holds a Pipeline and
+reads its fields, so the plain step pays nothing for it.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ EVAL_LABEL_MICRO = 1023
 MAX_TAGGED_MICRO = 512
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# send(tensor, dest, kind, step, micro): how a message leaves (see Pipeline.exchange_labels)
+Send = Callable[[torch.Tensor, int, int, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -306,8 +308,12 @@ class Pipeline:
         self.step_count = step_no + 1
         return loss
 
-    def _split_x(self, x: torch.Tensor | None) -> Sequence[torch.Tensor]:
-        """The first stage's micro-batches of `x` (and the shapes, now that x is known)."""
+    def split_x(self, x: torch.Tensor | None) -> Sequence[torch.Tensor]:
+        """The first stage's micro-batches of `x` (and the shapes, now that x is known).
+
+        Raises:
+            ValueError: no `x`, or fewer samples than micro-batches.
+        """
         m = self.chunks
         if x is None:
             raise ValueError("the first stage needs x")
@@ -323,9 +329,9 @@ class Pipeline:
         t, k, deadline, chunks = self.transport, self.k, self.deadline, self.chunk_modules
         last_chunk = len(chunks) - 1
         ranks = self.route.ranks
-        xs = self._split_x(x) if stage == 0 else ()
+        xs = self.split_x(x) if stage == 0 else ()
         shapes = self.boundary_shapes()
-        ys = self._labels(y, step_no, 0, LABEL)[0] if stage in (0, k - 1) else None
+        ys = self.exchange_labels(y, step_no, 0, LABEL)[0] if stage in (0, k - 1) else None
         total = sum(len(v) for v in ys) if ys is not None else 0
         after = self.after_forward
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -368,13 +374,15 @@ class Pipeline:
         t.flush(deadline)
         return loss_sum if stage == k - 1 else None
 
-    def _send(self, tensor: torch.Tensor, dest: int, kind: int, step: int, micro: int) -> None:
-        """Send one message outside the step loop (labels): a hook for the hot mirror."""
-        self.transport.send(tensor, dest, kind=kind, step=step, micro=micro)
+    def exchange_labels(self, y: torch.Tensor | None, step_no: int, micro: int, kind: int,
+                        send: Send | None = None
+                        ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
+        """(labels of each micro-batch on the last stage, labels the first stage sent).
 
-    def _labels(self, y: torch.Tensor | None, step_no: int, micro: int, kind: int
-                ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
-        """(labels of each micro-batch on the last stage, labels the first stage sent)."""
+        The first stage sends the labels with `send` (default: the transport's send);
+        ResPipe's hot steps pass their own, which skips what the last stage holds
+        already after a takeover (mpipipe.respipe.mirror).
+        """
         m = self.chunks
         if self.labels == "local" or (self.first and self.last):
             if not self.last:
@@ -387,7 +395,11 @@ class Pipeline:
                 raise ValueError("the first stage needs y: labels travel from it to the "
                                  "last stage")
             sent = y.to(self.label_dtype)
-            self._send(sent, self.route.ranks[-1], kind, step_no, micro)
+            dest = self.route.ranks[-1]
+            if send is None:
+                self.transport.send(sent, dest, kind=kind, step=step_no, micro=micro)
+            else:
+                send(sent, dest, kind, step_no, micro)
             return None, sent
         whole = self.transport.recv_rows((), self.label_dtype, self.route.ranks[0], kind=kind,
                                          step=step_no, micro=micro, deadline=self.deadline)
@@ -420,7 +432,7 @@ class Pipeline:
                 xs = x.tensor_split(m)
                 self.boundary_shapes(x.shape[1:])
             shapes = self.boundary_shapes()
-            ys = self._labels(y, seq, EVAL_LABEL_MICRO, EVAL)[0] if (self.first or self.last) \
+            ys = self.exchange_labels(y, seq, EVAL_LABEL_MICRO, EVAL)[0] if (self.first or self.last) \
                 else None
             correct = count = 0
             for c in range(stage, last_chunk + 1, k):

@@ -109,12 +109,11 @@ def _static_checks(cfg: dict) -> str | None:
     return None
 
 
-def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
+def setup(run: Run) -> Setup:
     """Build model, partition, pipeline, optimizer and data on every rank.
 
     Every configuration error stops all ranks with one line: checks that need no
     message are made on every rank, the others are agreed with one allgather.
-    `pipeline_cls`: the engine's Pipeline, or a subclass (ResPipe's hot mirror).
     """
     error = _static_checks(run.cfg)  # before torch is imported: a wrong config fails fast
     if error:
@@ -129,11 +128,9 @@ def setup(run: Run, pipeline_cls: type[Pipeline] | None = None) -> Setup:
     my_stage = route.stage_of(run.rank)
     state = _load_resume(run, my_stage)
     balance, costs = _choose_balance(run, model, in_shape, state, route)
-    pipe = (pipeline_cls or Pipeline)(model, balance, cfg["pipeline"]["chunks"],
-                                      cfg["pipeline"]["schedule"], comm, route,
-                                      in_shape=in_shape,
-                                      deadline=cfg["resilience"]["deadline_s"] or None,
-                                      seed=cfg["run"]["seed"])
+    pipe = Pipeline(model, balance, cfg["pipeline"]["chunks"], cfg["pipeline"]["schedule"],
+                    comm, route, in_shape=in_shape,
+                    deadline=cfg["resilience"]["deadline_s"] or None, seed=cfg["run"]["seed"])
     check_same_weights(run, pipe)
     stage_state = _stage_state(run, pipe, my_stage)
     setup_ = Setup(run, model, pipe, stage_state, loss_fn, in_shape, total, schedule,

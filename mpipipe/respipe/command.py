@@ -16,8 +16,8 @@ from torch import nn
 from mpipipe.core.logs.runlog import LogError
 from mpipipe.core.mpi import ft
 from mpipipe.core.mpi.stop import StopRun
+from mpipipe.pipeline.engine import Pipeline
 from mpipipe.respipe import auto
-from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 from mpipipe.respipe.trainer import Demoted, ResPipe, Settings, StageLost
 
 
@@ -132,7 +132,7 @@ def train(run: Any) -> int:
     from mpipipe.core.state import checkpoint
     from mpipipe.pipeline import train as plain
 
-    s = plain.setup(run, Pipeline)
+    s = plain.setup(run)
     cfg, log, progress = run.cfg, run.log, run.progress
     try:
         wanted = auto.AutoRequest.from_config(cfg, has_backups=bool(run.plan.ranks_of("backup")),

@@ -1,8 +1,9 @@
 """Hot mode's side of ResPipe: a backup mirrors every step of its stage, and a round
 that can finish the step in flight promotes the mirror where it stands.
 
-The :class:`HotMirror` part of :class:`mpipipe.respipe.trainer.ResPipe`; the engine's
-hot-mode parts (StepState, Have, relays, resume) are :mod:`mpipipe.respipe.mirror`.
+The :class:`HotMirror` part of :class:`mpipipe.respipe.trainer.ResPipe`; the step's
+hot-mode machinery (StepState, Have, relays, resume) is :class:`mpipipe.respipe.mirror.HotSteps`,
+composed around the engine and held by the membership (``m.steps``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class HotMirror:
         pipe, t = m.pipe, m.pipe.transport
         s = m.done
         own = r.mirror(k)
-        st = pipe.inflight
+        st = m.steps.inflight
         if st is None or st.step != s or st.stage != k:
             # Wait (briefly, so END and announcements are seen) for the step's first
             # relayed tensor (every schedule starts with the forward of micro-batch 0).
@@ -62,7 +63,7 @@ class HotMirror:
         pipe.boundary_shapes(self.in_shape)
         t.reset_counters()
         y = self.batch_of(s)[1] if k == pipe.k - 1 else None
-        loss = pipe.step(None, y, self.loss_fn, step=s, mirror=(k, m.drank(stage_w)))
+        loss = m.steps.step(None, y, self.loss_fn, step=s, mirror=(k, m.drank(stage_w)))
         own.apply_step(self.schedule, s)
         m.done = s + 1
         assert self._snap is not None
@@ -86,16 +87,16 @@ class HotMirror:
         """After a round that keeps the step in flight: each rank tells the ranks it takes
         messages from what it holds, then sends its own consumers what they lack."""
         m = self.m
-        pipe, t = m.pipe, m.pipe.transport
+        steps, t = m.steps, m.pipe.transport
         deadline = max(m.settings.deadline_s, 1.0)
         source = None if m.shadowing is None or m.stage is not None \
             else m.drank(m.route_w[m.shadowing])
-        mine = pipe.have(m.done).encode()
-        for r in pipe.suppliers(source):
+        mine = steps.have(m.done).encode()
+        for r in steps.suppliers(source):
             t.send(mine, r, kind=CTRL, step=0)
         theirs = {r: Have.decode(t.recv(torch.empty(4, dtype=torch.int64), r, kind=CTRL,
                                         step=0, deadline=deadline))
-                  for r in pipe.consumers()}
-        sent = pipe.resume(theirs)
+                  for r in steps.consumers()}
+        sent = steps.resume(theirs)
         if _DEBUG:
-            m.say(f"go on at step {m.done}: holds {pipe.have(m.done)}, resent {sent} messages")
+            m.say(f"go on at step {m.done}: holds {steps.have(m.done)}, resent {sent} messages")

@@ -1,7 +1,8 @@
 """Who is who in the current generation, and where this rank stands: the route, the
-holders of each stage's replica, the communicators, the pipeline bound to them, this
-rank's role and steps, the receive deadline; building a generation's communicator; and
-the two ways a rank leaves (:class:`StageLost`, :class:`Demoted`).
+holders of each stage's replica, the communicators, the pipeline bound to them (and the
+hot steps composed around it), this rank's role and steps, the receive deadline;
+building a generation's communicator; and the two ways a rank leaves
+(:class:`StageLost`, :class:`Demoted`).
 
 Every other part of ResPipe is built with the :class:`Membership` and asks it, through
 its methods and its public fields; only a round changes it (:meth:`Membership.adopt`,
@@ -21,10 +22,11 @@ from typing import Any, TextIO
 from torch import nn
 
 from mpipipe.core.mpi import ft, watchdog
-from mpipipe.pipeline.engine import Route
+from mpipipe.pipeline.engine import Pipeline, Route
 from mpipipe.respipe.control import _DEMOTED, _GO, _READY, _Control
 from mpipipe.respipe.decide import stage_holders
 from mpipipe.respipe.messages import Decision
+from mpipipe.respipe.mirror import HotSteps
 from mpipipe.respipe.settings import Settings
 
 MIN_DEADLINE_S = 0.008  # floor of a deadline set in median step times
@@ -70,8 +72,10 @@ class Membership:
     (the world rank of each data-communicator rank), ``route_w`` (the world rank serving
     each stage), ``backups_w``, ``log_w`` (the log's writer), ``stage`` / ``shadowing``
     (the stage this rank serves, or backs up), ``wards`` (neighbour mode: the stages whose
-    replicas it holds), ``data`` / ``control`` / ``lobby``, ``pipe`` (the engine bound to
-    the route), ``done`` (optimizer steps applied; a backup's: the step it stands at),
+    replicas it holds), ``data`` / ``control`` / ``lobby``, ``steps`` (the
+    :class:`~mpipipe.respipe.mirror.HotSteps` a stage's or mirror's training step goes
+    through, with what hot mode keeps of a step) and ``pipe`` (the engine it holds,
+    bound to the route), ``done`` (optimizer steps applied; a backup's: the step it stands at),
     ``after_step`` (an update is applied but its step's work is not finished: a round
     then replays) and ``step_times`` (for the deadline).
     """
@@ -85,7 +89,7 @@ class Membership:
         self.wrank = world.Get_rank()
         self.plan = plan
         self.settings = settings
-        self.pipe = pipe
+        self.steps = HotSteps(pipe)
         self.out = out or sys.stdout
         self.ulfm = ft.ulfm_enabled()
         self.gen = 0
@@ -113,6 +117,12 @@ class Membership:
         self.rebind()
 
     # -- questions -----------------------------------------------------------------------
+    @property
+    def pipe(self) -> Pipeline:
+        """The engine (:class:`~mpipipe.pipeline.engine.Pipeline`), bound to the route:
+        the one ``steps`` holds, so that the two never part."""
+        return self.steps.engine
+
     @property
     def is_logger(self) -> bool:
         return self.wrank == self.log_w
@@ -172,10 +182,10 @@ class Membership:
         shadows = tuple((k, self.drank(b)) for k, bs in self.backups_w.items() for b in bs) \
             if hot else ()
         route = Route(tuple(self.drank(w) for w in self.route_w), self.gen, shadows)
-        self.pipe.rebind(route, self.data)
-        self.pipe.relay_grads = hot
+        self.steps.rebind(route, self.data)
+        self.steps.relay_grads = hot
         # Bits of one int64 say which micro-batches a rank holds (Have).
-        self.pipe.resumable = hot and self.pipe.chunks <= 62
+        self.steps.resumable = hot and self.pipe.chunks <= 62
         self.wards = [k for k in range(self.pipe.k) if self.wrank in self.holders_of(k)] \
             if self.stage is not None and self.settings.mode == "neighbour" else []
 
@@ -197,7 +207,7 @@ class Membership:
         """Take the decided route and holders (``pipe``: a neighbour merge's new pipeline),
         this rank's stage in it, and rebind the pipeline."""
         if pipe is not None:
-            self.pipe = pipe
+            self.steps = HotSteps(pipe)
             self.stage = d.route.index(self.wrank) if self.wrank in d.route else None
         self.route_w = list(d.route)
         self.backups_w = {k: list(bs) for k, bs in d.backups.items()}

@@ -126,7 +126,7 @@ class Rejoin:
         m.adopt(d, new, _Control(ctl), d.members)
         m.back_up(k, P)
         self.replicas.forget()
-        m.pipe.abandon()
+        m.steps.abandon()
         m.serve(d)
         self.replicas.resync(P)
         if k != m.launch_stage(m.wrank):

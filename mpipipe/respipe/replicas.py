@@ -17,10 +17,9 @@ import torch
 from mpipipe.core.mpi import ft
 from mpipipe.core.mpi.transport import REPLICA, PeerFailed
 from mpipipe.core.state.stagestate import MakeOptimizer, StageState
-from mpipipe.pipeline.engine import Route
+from mpipipe.pipeline.engine import Pipeline, Route
 from mpipipe.respipe.membership import Membership
 from mpipipe.respipe.messages import Decision
-from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 
 
 @dataclass
@@ -186,7 +185,7 @@ class Replicas:
             return self.own
         self.own = StageState(self.m.module(k), self.make_optimizer, step=self.m.done)
         self.mirror_of = k
-        self.m.pipe.abandon()
+        self.m.steps.abandon()
         if self.slots:
             self.own.unpack(self.slots[-1].flat, self.slots[-1].count, step=self.m.done)
         return self.own

@@ -91,7 +91,7 @@ class Rounds:
         dead = {self.m.members[w] for w in (ft.failed_ranks(self.m.data) if self.m.ulfm else [])}
         if rnd.reason == "failed" and rnd.suspect >= 0:
             dead.add(rnd.suspect)
-        last = self.m.pipe.last_state
+        last = self.m.steps.last_state
         records_from = last.step if last is not None and last.step == self.m.done - 1 \
             else self.m.done  # the oldest step whose messages this rank can send again
         return StateReport(
@@ -99,7 +99,7 @@ class Rounds:
             done=self.m.done, latest=latest, prev=prev, reason=rnd.reason, suspect=rnd.suspect,
             t_detect=rnd.t_detect, dead=tuple(sorted(dead)), waited_s=rnd.waited_s,
             after_step=bool(self.m.after_step), records_from=records_from,
-            resumable=bool(self.m.pipe.resumable))
+            resumable=bool(self.m.steps.resumable))
 
     def _announce(self, rnd: Round) -> StateReport:
         """Wake every survivor (ULFM: revoke the data communicator) and send them this
@@ -265,7 +265,7 @@ class Rounds:
                             else "stopped responding", had=len(m.plan.ranks_of("backup", k)))
         go_on = bool(d.go_on)
         if not go_on:  # the step is replayed from its start
-            m.pipe.abandon()
+            m.steps.abandon()
             m.pipe.zero_grad()
             m.after_step = False
             self.replicas.rollback(P)  # a step this rank completed beyond P, or cut inside P

@@ -27,7 +27,7 @@ The parts, one module each; :class:`ResPipe` composes the stateful ones, each bu
 with the parts it needs and called through a few named methods (docs/internals.md):
 
 - ``membership``: the generation (route, members, holders, communicators, the pipeline
-  bound to them), this rank's role and steps, the deadline, building a generation;
+  bound to them and the hot steps composed around it), this rank's role and steps, the deadline, building a generation;
 - ``replicas``: the served :class:`~mpipipe.core.state.stagestate.StageState` and the
   held replicas: sending, holding, rollback, promoting, merging, re-syncing;
 - ``hot``: the hot mirror; ``rejoin``: the lobby; ``logbook``: figures, rows, events
@@ -56,6 +56,7 @@ from mpipipe.core.mpi.transport import REPLICA, Late, PeerFailed, set_wait_hook
 from mpipipe.core.run.batches import DataFault
 from mpipipe.core.state.checkpoint import CheckpointError
 from mpipipe.core.state.statecodec import pack_state, state_nbytes, unpack_state
+from mpipipe.pipeline.engine import Pipeline
 from mpipipe.respipe.auto import Retune
 from mpipipe.respipe.control import _ANNOUNCE, _DEMOTED, _END, _STOP, _STOP_ASK
 from mpipipe.respipe.decide import round_patience
@@ -64,7 +65,6 @@ from mpipipe.respipe.logbook import Logbook
 from mpipipe.respipe.membership import _DEBUG, Demoted, Membership, StageLost
 from mpipipe.respipe.messages import Round, RoundStarted
 from mpipipe.respipe.mirror import SHADOW_GRAD_MICRO
-from mpipipe.respipe.mirror import MirrorPipeline as Pipeline  # ResPipe's: the engine + hot mode
 from mpipipe.respipe.rejoin import Rejoin
 from mpipipe.respipe.replicas import Replicas
 from mpipipe.respipe.rounds import Rounds
@@ -309,8 +309,8 @@ class ResPipe:
         pipe.deadline = m.deadline()
         t0 = time.perf_counter()
         pipe.transport.reset_counters()
-        loss = pipe.step(x if pipe.first else None,
-                         y if (pipe.first or pipe.last) else None, self.loss_fn, step=s)
+        loss = m.steps.step(x if pipe.first else None,
+                            y if (pipe.first or pipe.last) else None, self.loss_fn, step=s)
         factor = self.faults.slowdown(s)
         if factor > 1:
             time.sleep((factor - 1) * pipe.last_compute_s)
