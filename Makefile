@@ -16,7 +16,7 @@ export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install test test-long test-python test-mpi test-c test-stress test-slurm test-cluster chaos-quick examples demo bench lint clean
+.PHONY: install test test-long test-python test-mpi test-c test-stress test-slurm test-cluster chaos-quick examples demo bench docs-figures lint clean
 
 install: $(STAMP)
 
@@ -93,6 +93,13 @@ bench: $(STAMP)
 	$(PY) bench/pipeline.py
 	$(PY) bench/resilience.py
 	$(PY) bench/stannis.py
+
+# The docs' pictures, and the only way they are rewritten: a bench run on its own never
+# writes into the checkout (without --out its plots go to a new temporary folder). Each
+# bench takes tens of minutes; the cluster bench needs the emulated testbed (root).
+docs-figures: $(STAMP)
+	$(PY) bench/resilience.py --out docs/respipe-bench.png
+	$(PY) bench/cluster.py --out docs/cluster-tradeoff.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check native mpipipe stannis tests bench

@@ -11,15 +11,24 @@ the single host all compute at the same fixed share. ResPipe jobs get 7 nodes of
 ``CPU`` cores each: stages 0..2 on nodes n0..n2, their backups (or, for the plain
 pipeline, spare ranks that idle outside the route, as bench/resilience.py does) on
 n3..n5, and n6 stands by as the spare node of a relaunch. Every figure compares runs of
-this one invocation on the same testbed; timings are repeated ``repeat`` times and the
-median is reported. A step time is the mean time per step of a run after its first
-``WARMUP`` steps (replica steps included), from the run log.
+this one invocation on the same testbed. A ratio is measured over ``repeat`` (7;
+``--quick``: 2, fewer than an interval needs, and it says so) interleaved pairs
+(baseline, candidate, baseline, candidate, ...) and reported as the median of the pairs'
+ratios with a 90 % bootstrap interval (``<key>_interval``, mpipipe/tools/benchkit.py); a
+target is met when the median meets it. A step time is the mean time per step of a run
+after its first ``WARMUP`` steps (replica steps included), from the run log. CPU seconds
+per step (``<key>_cpu``) come from the nodes' cgroups (``emulator.cpu_seconds``: v2
+``cpu.stat`` usage_usec, v1 ``cpuacct.usage``) read before and after each job, summed
+over the nodes, over the job's steps (start-up included: the same in both jobs of a
+pair); where the cgroups cannot be read the figure is null and ``cpu_source`` says why.
 
 - link_rate_ratio: Mbit/s of payload that `python -m mpipipe linkprobe` (the project's Transport)
-  gets through one 100 Mbit/s link (n0 -> n1), over the configured rate.
+  gets through one 100 Mbit/s link (n0 -> n1 and back, 4 probes each way), over the
+  configured rate: median of the probes, with its interval.
 - overhead_r10 / overhead_hot: ResPipe (cold R=10 / hot R=10, one backup per stage on
   nodes of their own) over the plain pipeline on the same nodes at 100 Mbit/s, step time
-  ratio minus 1, per repeat (interleaved: plain, cold, hot), median; *_spread max - min.
+  ratio minus 1, per pair (interleaved: plain, cold, hot), median and interval; a median
+  at or below 0 is printed "no measurable cost (interval lo..hi)", never as a gain.
 - cost_time_error: mpipipe.respipe.costmodel.predict(...).links (each rank's bytes per step) turned into
   time by costmodel.step_seconds: compute + the bytes a pipelined step waits for
   (costmodel.exposed_bytes: one micro-batch's activation and gradient at every boundary;
@@ -29,33 +38,40 @@ median is reported. A step time is the mean time per step of a run after its fir
   exposed link time, on the same links, median of its runs at the start and the end of
   that rate's block of runs (the machine's pace drifts by up to 30 % over a bench run);
   every ResPipe run of the grid (rates x R x cold/hot) is a prediction, and the figure
-  is the worst |predicted / measured - 1|.
+  is the worst |predicted / measured - 1|. One run per grid point: no interval.
   cost_time_error_serial: the same with every byte added to compute (no overlap).
 - recovery_s_node_kill: node n1 (stage 1) killed whole (node-kill) at a step halfway
-  between two replicas (R=10, cold): the run's takeover_recovered recovery_s, median.
-- restart_vs_respipe: the same node kill against the plain pipeline as users run it
-  today (no ULFM; checkpoints every CKPT_EVERY steps): the job dies, is relaunched at
-  once with --resume on n0, n2..n6 (the spare n6 in the dead node's place; no time for a
-  human or a scheduler is counted). Time lost = a run's wall time beyond what it would
-  have taken without the failure, read off the run itself (paced_loss_s: its longest step
-  gap minus its mean gap over the others; a resumed log keeps one time axis, so the
-  death, the relaunch's start-up and the steps redone are one gap). Figure = median
-  baseline loss / median ResPipe loss. Why not against another, failure-free run: on
-  this machine two runs of the same job differ in pace by up to 10 %, 0.6 s over a run,
-  where ResPipe loses 0.03-0.05 s; that reading (each kill run's span minus the span of
-  a failure-free run made just before it) is printed as restart_vs_respipe_paired, and
-  its ResPipe losses come out negative as often as not. What a fault costs in the steps
-  after it is not in the figure (ResPipe's backup runs at its stage's share, as before).
+  between two replicas (R=10, cold): the run's takeover_recovered recovery_s, median and
+  interval over the repeats.
+- restart_vs_respipe: the same node kill against the plain pipeline as users run it today
+  (no ULFM; checkpoints every CKPT_EVERY steps): the job dies, is relaunched at once with
+  --resume on n0, n2..n6 (the spare n6 in the dead node's place; no time for a human or a
+  scheduler is counted). Time lost = a run's wall time beyond what it would have taken
+  without the failure, read off the run itself (paced_loss_s: its longest step gap minus
+  its mean gap over the others; a resumed log keeps one time axis, so the death, the
+  relaunch's start-up and the steps redone are one gap). Figure = median over the repeats
+  of baseline loss / ResPipe loss (each repeat runs both: a pair). Why not against
+  another, failure-free run: on this machine two runs of the same job differ in pace by up
+  to 10 %, 0.6 s over a run, where ResPipe loses 0.03-0.05 s; that reading (each kill
+  run's span minus the span of a failure-free run made just before it) is printed as
+  restart_vs_respipe_paired, and its ResPipe losses come out negative as often as not.
+  What a fault costs in the steps after it is not in the figure (ResPipe's backup runs at
+  its stage's share, as before).
 - stannis_vs_ship / stannis_tuned_vs_ideal: see bench/stannis.py's worker, here on a
   host node (1 core, 1000 Mbit/s) and 4 CSD nodes (an eighth of a core, 100 Mbit/s) with
   no modelled slow-down (csd.emulated = false): the CPU quota is the CSD's speed.
   ``ship``: the CSDs send their samples to the host over the same links and the host
   trains on them (the traffic Stannis avoids), samples/s of the host's training.
+  stannis_vs_ship's interval is unpaired (the worker is one long job: its rounds'
+  samples/s against the ``repeat`` shipping runs, each side resampled on its own);
+  stannis_tuned_vs_ideal's is over the worker's rounds (7 in a full run).
 
-The trade-off plot (docs/cluster-tradeoff.png, mpipipe.report.plot_tradeoff): measured
-failure-free overhead against R and link rate for cold, hot and neighbour, and the
-updates a takeover can lose (the cost model's bound, and the node-kill runs' measured
-lost_updates).
+The trade-off plot (mpipipe.report.plot_tradeoff): measured failure-free overhead
+against R and link rate for cold, hot and neighbour (with its interval where a point has
+repeats), and the updates a takeover can lose (the cost model's bound, and the node-kill
+runs' measured lost_updates). It goes to ``--out``, or without it to a new temporary
+folder: the bench never writes over a file of the checkout (``make docs-figures`` passes
+``--out docs/cluster-tradeoff.png``).
 """
 
 from __future__ import annotations
@@ -80,7 +96,7 @@ sys.path.insert(0, str(ROOT))
 from bench import resilience as rsl  # noqa: E402
 from bench import stannis as sbench  # noqa: E402
 from mpipipe.respipe import costmodel  # noqa: E402
-from mpipipe.tools import emulator  # noqa: E402
+from mpipipe.tools import benchkit, emulator  # noqa: E402
 from mpipipe.tools.emulator import Node, Testbed  # noqa: E402
 from mpipipe.tools.launch import mpirun_env, run_mpi  # noqa: E402
 
@@ -95,7 +111,6 @@ TARGETS: dict[str, tuple[str, float, float | None]] = {
     # key: (kind, low, high) -- "range", "max" (<= low) or "min" (>= low)
     "link_rate_ratio": ("range", 0.85, 1.15),
     "overhead_r10": ("max", 0.05, None),
-    "overhead_r10_spread": ("max", 0.03, None),
     "cost_time_error": ("max", 0.25, None),
     "cost_time_error_serial": ("max", 0.25, None),
     "recovery_s_node_kill": ("max", 2.0, None),
@@ -104,9 +119,9 @@ TARGETS: dict[str, tuple[str, float, float | None]] = {
     "stannis_tuned_vs_ideal": ("min", 0.9, None),
 }
 SIZES: dict[str, dict[str, Any]] = {
-    "full": {"steps": 150, "repeat": 3, "rates": (20, 100, 1000), "rs": (1, 10, 50),
-             "modes": ("cold", "hot", "neighbour"), "stannis": "quick"},
-    "quick": {"steps": 100, "repeat": 1, "rates": (20, 100), "rs": (1, 10),
+    "full": {"steps": 150, "repeat": benchkit.MIN_PAIRS, "rates": (20, 100, 1000), "rs": (1, 10, 50),
+             "modes": ("cold", "hot", "neighbour"), "stannis": "full"},
+    "quick": {"steps": 100, "repeat": 2, "rates": (20, 100), "rs": (1, 10),
               "modes": ("cold", "hot"), "stannis": "quick"},
 }
 R = rsl.R  # the ResPipe jobs' replication interval where the issue says R=10
@@ -146,6 +161,10 @@ class Bench:
         self.relaunched: list[str] = []  # jobs whose mpirun failed to start and ran again
         self.count = 0
         self.repeat = 1
+        # CPU seconds of the last job, summed over the testbed's nodes (their cgroups);
+        # None when the cgroups could not be read, and cpu_source says why.
+        self.last_cpu: float | None = None
+        self.cpu_source = "cgroups (emulator.cpu_seconds)"
 
     def mpi(self, name: str, n: int, cmd: list[str], tb: Testbed, *, timeout: float,
             ulfm: bool, nodes: Sequence[str] | None = None) -> subprocess.CompletedProcess:
@@ -162,10 +181,19 @@ class Bench:
                 return subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", str(e))
 
         self.count += 1
+        before = emulator.cpu_seconds(tb)
         result = once()
         if LAUNCH_FLAKE in result.stderr:  # mpirun never started the job: again
             self.relaunched.append(name)
+            before = emulator.cpu_seconds(tb)
             result = once()
+        after = emulator.cpu_seconds(tb)
+        if before is None or after is None:
+            self.last_cpu = None
+            self.cpu_source = ("not measured: the nodes' cgroups give no CPU time (cgroup v1 without a "
+                               "cpuacct group per node: a testbed made by an older emulator)")
+        else:
+            self.last_cpu = sum(after.values()) - sum(before.values())
         return result
 
     def train(self, tb: Testbed, name: str, *sets: str, ulfm: bool = True, resume: Path | None = None,
@@ -233,38 +261,43 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(good) if good else math.nan
 
 
-def spread(values: Sequence[float]) -> float:
-    good = [v for v in values if not math.isnan(v)]
-    return max(good) - min(good) if len(good) == len(values) and good else math.nan
-
-
 # ------------------------------------------------------------------ the figures
 
 
+PROBES = 4  # linkprobe's probes each way: 8 measurements, enough for an interval
+
+
 def link_rate(bench: Bench, tb: Testbed, mbytes: float) -> dict[str, Any]:
-    """Measured / configured throughput of n0 -> n1 with `python -m mpipipe linkprobe`."""
-    result = bench.mpi("linkprobe", 2, ["-m", "mpipipe", "linkprobe", "--mbytes", str(mbytes), "--pairs", "0:1,1:0"],
+    """Measured / configured throughput of n0 -> n1 and back with `python -m mpipipe linkprobe`."""
+    result = bench.mpi("linkprobe", 2, ["-m", "mpipipe", "linkprobe", "--mbytes", str(mbytes),
+                                        "--pairs", ",".join(["0:1,1:0"] * PROBES)],
                        tb, timeout=300, ulfm=False)
     rates = [json.loads(line)["mbit_s"] for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode or not rates:
         bench.failed.append(f"linkprobe: exit {result.returncode}: {result.stderr[-300:]}")
-        return {"link_rate_ratio": math.nan}
+        return {"link_rate_ratio": math.nan, "link_rate_ratio_interval": [None, None]}
     link = tb.nodes[0].link_mbit
-    return {"link_rate_ratio": median(rates) / link, "link_mbit_measured": rates, "link_mbit": link}
+    out = {"link_mbit_measured": rates, "link_mbit": link}
+    benchkit.put(out, "link_rate_ratio", benchkit.bootstrap([x / link for x in rates], few_ok=True))
+    return out
 
 
 Times = dict[tuple[str, int, float], list[float]]  # step times by (mode, R, link Mbit/s)
 
 
-def respipe_grid(bench: Bench, size: dict[str, Any]) -> Times:
-    """Every failure-free run: the 100 Mbit/s repeats and the grid; step times by (mode, R, rate)."""
-    times: dict[tuple[str, int, float], list[float]] = {}
+def respipe_grid(bench: Bench, size: dict[str, Any]) -> tuple[Times, Times]:
+    """Every failure-free run: the 100 Mbit/s pairs and the grid; step times and CPU
+    seconds per step (NaN where the cgroups could not be read) by (mode, R, rate)."""
+    times: Times = {}
+    cpu: Times = {}
 
     def run(tb: Testbed, mode: str, r: int, tag: str) -> None:
         rate = tb.nodes[0].link_mbit
         _, log = bench.train(tb, f"{mode}-r{r}-{rate:g}-{tag}" if mode != "plain" else f"plain-{rate:g}-{tag}",
                              *settings(mode, r))
-        times.setdefault((mode, 0 if mode == "plain" else r, rate), []).append(step_s(log))
+        key = (mode, 0 if mode == "plain" else r, rate)
+        times.setdefault(key, []).append(step_s(log))
+        cpu.setdefault(key, []).append(math.nan if bench.last_cpu is None else bench.last_cpu / bench.steps)
 
     for rate in sorted(size["rates"], key=lambda x: x != 100):  # 100 Mbit/s first
         tb = respipe_testbed(rate)
@@ -281,20 +314,20 @@ def respipe_grid(bench: Bench, size: dict[str, Any]) -> Times:
                         continue
                     run(tb, mode, r, "0")
             run(tb, "plain", 0, "end")  # the block's pace at its end too (see cost_time)
-    return times
+    return times, cpu
 
 
-def overheads(times: dict[tuple[str, int, float], list[float]]) -> dict[str, Any]:
-    """Paired per repeat at 100 Mbit/s: ResPipe step time / plain step time - 1."""
+def overheads(times: Times, cpu: Times) -> dict[str, Any]:
+    """Paired per repeat at 100 Mbit/s: ResPipe step time / plain step time - 1, median and
+    interval; the same in CPU seconds per step (``<key>_cpu``)."""
     out: dict[str, Any] = {}
-    plain = times[("plain", 0, 100.0)]
     for mode, key in (("cold", "overhead_r10"), ("hot", "overhead_hot")):
-        runs = times[(mode, R, 100.0)]  # each paired with the plain run just before it
-        pairs = [t / p - 1 for t, p in zip(runs, plain[:len(runs)], strict=True)]
-        out[key] = median(pairs)
-        out[f"{key}_spread"] = spread(pairs)
-        out[f"{key}_runs"] = [round(x, 4) for x in pairs]
-    out["plain_step_s_100"] = median(plain)
+        n = len(times[(mode, R, 100.0)])  # each paired with the plain run just before it
+        for source, suffix in ((times, ""), (cpu, "_cpu")):
+            base, cand = source[("plain", 0, 100.0)][:n], source[(mode, R, 100.0)]
+            benchkit.put(out, key + suffix, benchkit.paired(base, cand, few_ok=True).shifted(-1))
+            out[f"{key}{suffix}_runs"] = [round(c / b - 1, 4) for b, c in zip(base, cand, strict=True)]
+    out["plain_step_s_100"] = median(times[("plain", 0, 100.0)])
     return out
 
 
@@ -376,6 +409,7 @@ def node_kill(bench: Bench, size: dict[str, Any]) -> dict[str, Any]:
             if not ckpt_dir.is_dir():
                 bench.failed.append(f"ckpt-kill-{i}: no checkpoint directory {ckpt_dir} (exit {first.returncode})")
                 lost_base.append(math.nan)
+                paced_base.append(math.nan)  # the pairs stay aligned with the ResPipe runs
                 continue
             resumed, _ = bench.train(tb, f"ckpt-kill-{i}", *settings("plain"), ckpt, ulfm=False,
                                      resume=ckpt_dir, nodes=spare[:rsl.RANKS])
@@ -386,7 +420,12 @@ def node_kill(bench: Bench, size: dict[str, Any]) -> dict[str, Any]:
             lost_base.append(span_s(log) - span_s(clean))
             paced_base.append(paced_loss_s(log))
     base, res = median(lost_base), median(lost_respipe)
-    return {"recovery_s_node_kill": median(recovery), "recovery_s_runs": recovery,
+    out: dict[str, Any] = {}
+    benchkit.put(out, "recovery_s_node_kill", benchkit.bootstrap(recovery, few_ok=True))
+    # each repeat ran both kills, one after the other: a pair (a loss at or below 0: no ratio)
+    benchkit.put(out, "restart_vs_respipe",
+                 benchkit.paired([r if r > 0 else math.nan for r in paced_respipe], paced_base, few_ok=True), 2)
+    return {**out, "recovery_s_runs": recovery,
             "kill_step": kill_at, "lost_updates_node_kill": lost_updates,
             "time_lost_respipe_s": res, "time_lost_restart_s": base,
             "time_lost_respipe_runs": [round(x, 2) for x in lost_respipe],
@@ -398,8 +437,6 @@ def node_kill(bench: Bench, size: dict[str, Any]) -> dict[str, Any]:
             "time_lost_paced_runs": {"respipe": [round(x, 2) for x in paced_respipe],
                                      "restart": [round(x, 2) for x in paced_base],
                                      "failure-free": [round(x, 2) for x in paced_clean]},
-            "restart_vs_respipe": median(paced_base) / median(paced_respipe)
-            if median(paced_respipe) > 0 else math.nan,
             "restart_vs_respipe_paired": base / res if res > 0 else math.nan}
 
 
@@ -468,7 +505,7 @@ def ship_worker(args: argparse.Namespace) -> None:
         opt.step()
     sps = args.ship_steps * args.global_batch / (time.perf_counter() - t0)
     comm.Barrier()
-    Path(args.out).write_text(json.dumps({"ship_sps": sps}))
+    Path(args.result).write_text(json.dumps({"ship_sps": sps}))
 
 
 def stannis(bench: Bench, size: str) -> dict[str, Any]:
@@ -476,8 +513,9 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
 
     HyperTune: bench/stannis.py's worker (its rounds, its bound) with csd.emulated =
     false, so that no modelled slow-down stretches a CSD: its cgroup's CPU quota is its
-    speed. Ship: :func:`ship_worker`, ``repeat`` times, median. The worker runs once:
-    its figures are already medians of its rounds.
+    speed. Ship: :func:`ship_worker`, ``repeat`` times. The worker runs once: its
+    figures are already medians of its rounds, with their intervals; stannis_vs_ship's
+    interval is unpaired (its rounds against the shipping runs, benchkit.unpaired).
     """
     work = bench.work / "stannis"
     work.mkdir()
@@ -486,13 +524,13 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
     sbench.write_config(work / "bench.toml", work / "data", ns)
     tb = stannis_testbed()
     out: dict[str, Any] = {}
-    ship, tuned = [], []
+    ship: list[float] = []
     with emulator.running(tb):
         for i in range(bench.repeat):
             result = work / f"ship-{i}.json"
             proc = bench.mpi(f"ship-{i}", 1 + sbench.CSDS,
                              [str(Path(__file__).resolve()), "--ship-worker", "--data", str(work / "data"),
-                              "--out", str(result), "--global-batch", str(GLOBAL_BATCH), "--ship-steps", "8"],
+                              "--result", str(result), "--global-batch", str(GLOBAL_BATCH), "--ship-steps", "8"],
                              tb, timeout=600, ulfm=False)
             if proc.returncode or not result.exists():
                 bench.failed.append(f"ship-{i}: exit {proc.returncode}: {proc.stderr[-300:]}")
@@ -505,14 +543,18 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
         proc = bench.mpi("stannis", 1 + sbench.CSDS, cmd, tb, timeout=1200, ulfm=False)
         if proc.returncode or not result.exists():
             bench.failed.append(f"stannis worker: exit {proc.returncode}: {proc.stderr[-300:]}")
-            return {"stannis_vs_ship": math.nan, "stannis_tuned_vs_ideal": math.nan, "ship_sps": ship}
+            return {"stannis_vs_ship": math.nan, "stannis_vs_ship_interval": [None, None],
+                    "stannis_tuned_vs_ideal": math.nan, "stannis_tuned_vs_ideal_interval": [None, None],
+                    "ship_sps": ship}
         figures = json.loads(result.read_text())
     tuned_sps = figures["tuned_sps"]
-    tuned.append(tuned_sps)
     ship_sps = median(ship)
-    out.update(stannis_vs_ship=tuned_sps / ship_sps if ship_sps > 0 else math.nan,
-               stannis_tuned_vs_ideal=figures["tuned_vs_ideal"] if figures["tuned_vs_ideal"] is not None
+    benchkit.put(out, "stannis_vs_ship",
+                 benchkit.unpaired(ship, [r["tuned"] for r in figures["_detail"]["rounds"]], few_ok=True), 3)
+    out.update(stannis_tuned_vs_ideal=figures["tuned_vs_ideal"] if figures["tuned_vs_ideal"] is not None
                else math.nan,
+               stannis_tuned_vs_ideal_interval=figures["tuned_vs_ideal_interval"],
+               stannis_rounds=len(figures["_detail"]["rounds"]),
                stannis_tuned_sps=tuned_sps, stannis_ship_sps=round(ship_sps, 1),
                stannis_ship_runs=[round(x, 1) for x in ship],
                stannis_host_only_sps=figures["host_only_sps"], stannis_equal_sps=figures["equal_sps"],
@@ -526,7 +568,8 @@ def stannis(bench: Bench, size: str) -> dict[str, Any]:
 
 
 def plot(times: Times, figures: dict[str, Any], out: Path) -> Path | None:
-    """The trade-off PNG: every ResPipe grid point's overhead over the plain pipeline at its rate."""
+    """The trade-off PNG: every ResPipe grid point's overhead over the plain pipeline at its
+    rate; the points measured in pairs (R=10 at 100 Mbit/s) with their intervals."""
     from mpipipe.report import plot_tradeoff
 
     rows = []
@@ -534,19 +577,28 @@ def plot(times: Times, figures: dict[str, Any], out: Path) -> Path | None:
         base = times.get(("plain", 0, rate))
         if mode == "plain" or not base:
             continue
-        rows.append({"mode": mode, "R": r, "link_mbit": rate, "overhead": median(ts) / median(base) - 1,
-                     "lost_updates": costmodel.lost_updates(r, mode)})
+        row = {"mode": mode, "R": r, "link_mbit": rate, "overhead": median(ts) / median(base) - 1,
+               "lost_updates": costmodel.lost_updates(r, mode)}
+        key = {"cold": "overhead_r10", "hot": "overhead_hot"}.get(mode)
+        if r == R and rate == 100.0 and key and None not in figures.get(f"{key}_interval", [None]):
+            row["overhead"] = figures[key]
+            row["overhead_interval"] = tuple(figures[f"{key}_interval"])
+        rows.append(row)
     if not rows:
         return None
     lost = [("cold", R, float(x)) for x in figures.get("lost_updates_node_kill", []) if x is not None]
     return plot_tradeoff(rows, out, measured_lost=lost,
                          title=f"ResPipe on the testbed: LeNet/digits in 3 stages, {CPU:g} core per node "
                                f"(bench/cluster.py{' --quick' if figures['size'] == 'quick' else ''}, "
-                               f"{time.strftime('%Y-%m-%d')})")
+                               f"{time.strftime('%Y-%m-%d')}; bars: 90% interval over "
+                               f"{figures.get('pairs', '?')} pairs)")
 
 
 def verdict(key: str, value: Any) -> str:
-    """'met', 'NOT MET' or 'no figure' against the issue's target; '' for keys without one."""
+    """'met', 'NOT MET' or 'no figure' against the issue's target; '' for keys without one.
+
+    ``value`` is the figure's median: a target is met when the median meets it (its
+    interval is printed beside it, for how far a rerun may move it)."""
     if key not in TARGETS:
         return ""
     if not isinstance(value, int | float) or math.isnan(value):
@@ -564,19 +616,40 @@ def target_text(key: str) -> str:
     return f"{low:g}-{high:g}" if kind == "range" else (f"<= {low:g}" if kind == "max" else f">= {low:g}")
 
 
-MAIN_KEYS = ("link_rate_ratio", "overhead_r10", "overhead_r10_spread", "overhead_hot", "cost_time_error",
-             "cost_time_error_serial",
+MAIN_KEYS = ("link_rate_ratio", "overhead_r10", "overhead_r10_cpu", "overhead_hot", "overhead_hot_cpu",
+             "cost_time_error", "cost_time_error_serial",
              "recovery_s_node_kill", "restart_vs_respipe", "stannis_vs_ship", "stannis_tuned_vs_ideal")
+
+
+def shown(figures: dict[str, Any], key: str) -> tuple[str, str]:
+    """A figure's median and its interval as printed; an overhead at or below 0 is "no
+    measurable cost", never a gain."""
+    value, bounds = figures.get(key, math.nan), figures.get(f"{key}_interval")
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-", "no figure"
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
+    if not bounds or None in bounds:
+        return text, "(one figure: no interval)" if bounds is None else "-"
+    if key.startswith("overhead_") and value <= 0:
+        return "<= 0", f"no measurable cost (interval {bounds[0]:.3f}..{bounds[1]:.3f})"
+    return text, f"{bounds[0]:.3f}..{bounds[1]:.3f}"
 
 
 def print_table(figures: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"Cluster bench{' (--quick: small grid)' if args.quick else ''}: {figures['jobs']} jobs in "
-          f"{figures['wall_s']:.0f} s on the testbed; median of {figures['repeat']} runs per timing")
-    print(f"  {'key':<24}{'value':>10}  {'target':<10}verdict")
+          f"{figures['wall_s']:.0f} s on the testbed; each ratio the median of {figures['repeat']} interleaved "
+          f"pairs with its 90% bootstrap interval (met: the median meets the target)")
+    if figures.get("note"):
+        print(f"  note: {figures['note']}")
+    print(f"  CPU seconds: {figures.get('cpu_source')}")
+    print(f"  {'key':<24}{'median':>10}  {'interval':<48}{'target':<10}verdict")
     for key in MAIN_KEYS:
-        value = figures.get(key, math.nan)
-        shown = f"{value:.3f}" if isinstance(value, float) and not math.isnan(value) else str(value)
-        print(f"  {key:<24}{shown:>10}  {target_text(key):<10}{verdict(key, value)}")
+        if key not in figures:
+            continue
+        median_text, interval_text = shown(figures, key)
+        value = figures.get(key)
+        print(f"  {key:<24}{median_text:>10}  {interval_text:<48}{target_text(key):<10}"
+              f"{verdict(key, math.nan if value is None else value)}")
     rows = figures.get("cost_time_rows", [])
     if rows:
         calibration = ", ".join(f"{1e3 * c:.1f} ms at {rate} Mbit/s ({figures['calibration_runs'][rate]} runs)"
@@ -588,11 +661,12 @@ def print_table(figures: dict[str, Any], args: argparse.Namespace) -> None:
             print(f"    {r['mode']:<10}{r['R']:>4}{r['link_mbit']:>8g}{1e3 * r['measured_s']:>13.1f}"
                   f"{1e3 * r['predicted_s']:>14.1f}{r['error']:>+8.1%}{1e3 * r['serial_s']:>11.1f}"
                   f"{r['serial_error']:>+8.1%}")
-    for key in ("overhead_r10_runs", "overhead_hot_runs", "recovery_s_runs", "lost_updates_node_kill",
+    for key in ("overhead_r10_runs", "overhead_hot_runs", "overhead_r10_cpu_runs", "overhead_hot_cpu_runs",
+                "recovery_s_runs", "lost_updates_node_kill",
                 "time_lost_respipe_runs", "time_lost_restart_runs", "time_lost_paced_runs",
                 "restart_vs_respipe_paired", "restart_first_run", "link_mbit_measured",
                 "stannis_tuned_sps", "stannis_ship_runs", "stannis_host_only_sps", "stannis_equal_sps",
-                "stannis_ideal_sps", "stannis_tuned_plan", "stannis_invalid"):
+                "stannis_ideal_sps", "stannis_tuned_plan", "stannis_invalid", "stannis_rounds"):
         if key in figures:
             print(f"  {key}: {figures[key]}")
     for line in figures.get("failed", []):
@@ -611,13 +685,14 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     figures: dict[str, Any] = {}
     times: Times = {}
+    cpu: Times = {}
     if args.only in (None, "link"):
         tb = respipe_testbed(100)
         with emulator.running(tb):
             figures.update(link_rate(bench, tb, 6 if args.quick else 12))
     if args.only in (None, "respipe"):
-        times = respipe_grid(bench, size)
-        figures.update(overheads(times))
+        times, cpu = respipe_grid(bench, size)
+        figures.update(overheads(times, cpu))
         figures.update(cost_time(bench, times))
     if args.only in (None, "respipe", "node-kill"):
         figures.update(node_kill(bench, size))
@@ -625,7 +700,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         figures.update(stannis(bench, size["stannis"]))
     figures.update(jobs=bench.count, wall_s=round(time.monotonic() - t0, 1), repeat=size["repeat"],
                    steps=steps, cpu_per_node=CPU, failed=bench.failed, relaunched=bench.relaunched,
-                   size="quick" if args.quick else "full", load_avg=round(os.getloadavg()[0], 2))
+                   size="quick" if args.quick else "full", load_avg=round(os.getloadavg()[0], 2),
+                   pairs=size["repeat"], cpu_source=bench.cpu_source,
+                   note=benchkit.few_pairs_note(size["repeat"], "--quick")),
     figures["_times"] = {f"{m}/{r}/{rate:g}": ts for (m, r, rate), ts in times.items()}
     return figures
 
@@ -644,15 +721,16 @@ def _no_nan(value: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON line")
-    parser.add_argument("--quick", action="store_true", help="a smaller grid, one run per timing: a first look")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smaller grid, 2 pairs per ratio (fewer than an interval needs): a first look")
     parser.add_argument("--steps", type=int, help="steps per ResPipe job (default 150, --quick 100)")
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "cluster-tradeoff.png"),
-                        help="where the trade-off plot goes (default docs/cluster-tradeoff.png)")
+    parser.add_argument("--out", help="where the trade-off plot goes (default: a new temporary folder; "
+                                      "make docs-figures passes --out docs/cluster-tradeoff.png)")
     parser.add_argument("--keep", metavar="DIR", help="keep the run logs in a new directory under DIR")
     parser.add_argument("--only", choices=("link", "respipe", "node-kill", "stannis"), help=argparse.SUPPRESS)
     parser.add_argument("--ship-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help=argparse.SUPPRESS)
     parser.add_argument("--ship-steps", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -668,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             emulator.down()
     times = {tuple(k.split("/")): v for k, v in figures.pop("_times").items()}
-    png = plot({(m, int(r), float(rate)): v for (m, r, rate), v in times.items()}, figures, Path(args.plot))
+    out = benchkit.output_path(args.out, "cluster-tradeoff.png", prefix="cluster-bench-plot-")
+    png = plot({(m, int(r), float(rate)): v for (m, r, rate), v in times.items()}, figures, out)
     figures["plot"] = str(png) if png else None
     if args.json:
         print(json.dumps(_no_nan(figures), allow_nan=False))

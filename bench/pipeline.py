@@ -25,6 +25,18 @@ as ratios, because the machine is shared and noisy:
   ``--resnet-width`` channels (16: a quarter of the real 64, so that a round fits the
   time), 32x32 inputs, the same K, mini-batch and micro-batches; ``--resnet-rounds``
 
+Every ratio is measured over ``--rounds`` (default 7) interleaved rounds: each round runs
+every variant once (the single process, then each schedule of ours and torch's, then the
+ping-pong), so each round is a pair (baseline, candidate) for every ratio. The figure is
+the median of the rounds' ratios with a 90 % bootstrap interval (``<key>_interval``,
+mpipipe/tools/benchkit.py); a round's time is the mean over its ``--steps`` timed steps.
+The best schedule (of GPipe and 1F1B; of the two single processes) is the one with the
+best median over the rounds, then paired round by round. ``<key>_cpu`` (and its interval)
+is the same ratio in CPU seconds per step: each rank's ``time.process_time`` over the
+same steps, summed over the ranks (the single process: rank 0's, both its threads; the
+other rank sleeps meanwhile and is not counted). A target is met when the median meets
+it. ``--quick`` runs 3 rounds (fewer than the 7 an interval needs; it says so).
+
 The parallel parts run under `mpirun -n 2` (this script started again with --worker).
 """
 
@@ -33,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mpipipe.tools import benchkit  # noqa: E402
 from mpipipe.tools.launch import run_mpi  # noqa: E402
 
 K = 2  # stages (one rank each) for every parallel figure
@@ -80,22 +94,21 @@ def _balance(args: argparse.Namespace, model, x, v: int = 1) -> list[int]:
     return balance_by_time(model, x[: args.batch // args.chunks], K, v=v, m=args.chunks)
 
 
-def _timed(step, warmup: int, steps: int, sync=lambda: None) -> float:
-    """Seconds per step: the fastest of `steps` timed steps after `warmup` untimed ones.
+def _timed(step, warmup: int, steps: int, sync=lambda: None) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) per step, over `steps` timed steps after
+    `warmup` untimed ones.
 
-    The fastest, as timeit does: other jobs on a shared machine only ever add time, so
-    the least disturbed step is the best estimate of what the code itself costs.
+    The mean of the round, not its fastest step: the round is one pair of the figure's
+    interval, and the interval (not a hand-picked step) says how much the machine moved it.
     """
     for _ in range(warmup):
         step()
     sync()
-    times = []
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
-        t0 = time.perf_counter()
         step()
         sync()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 # ---- the worker: both ranks under mpirun, every variant interleaved round by round --------
@@ -136,10 +149,12 @@ def worker(args: argparse.Namespace) -> None:
     balance = world.bcast(_balance(args, model, x) if rank == 0 else None, root=0)
     interleaved = world.bcast(_balance(args, model, x, V) if rank == 0 else None, root=0)
     loss_fn = torch.nn.CrossEntropyLoss()
-    sps: dict[str, list[float]] = {}
+    wall: dict[str, list[float]] = {}  # seconds per step (ping-pong: per round trip), one a round
+    cpu: dict[str, list[float]] = {}  # this rank's CPU seconds over the same
 
-    def record(name: str, per_step: float) -> None:
-        sps.setdefault(name, []).append(args.batch / per_step)
+    def record(name: str, timed: tuple[float, float]) -> None:
+        wall.setdefault(name, []).append(timed[0])
+        cpu.setdefault(name, []).append(timed[1])
 
     # single process (rank 0 alone; the other rank sleeps), on 1 and on 2 threads
     single_model = copy.deepcopy(model)
@@ -150,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
         loss_fn(single_model(x), y).backward()
         single_opt.step()
 
-    def single_on(threads: int) -> float:
+    def single_on(threads: int) -> tuple[float, float]:
         torch.set_num_threads(threads)
         try:
             return _timed(single_step, 1, args.steps)
@@ -224,13 +239,11 @@ def worker(args: argparse.Namespace) -> None:
                 link.send(send_t, other, kind=ACT, step=i)
             link.flush()
 
-    link_s: dict[str, list[float]] = {"raw": [], "transport": []}
     for _ in range(args.rounds):
         for threads, name in ((1, "single"), (2, "single_2threads")):
-            holder: list[float] = []
+            holder: list[tuple[float, float]] = []
             _idle_until(world, lambda h=holder, n=threads: h.append(single_on(n)))
-            if rank == 0:
-                record(name, holder[0])
+            record(name, holder[0] if rank == 0 else (0.0, 0.0))  # the sleeping rank: no CPU counted
         for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
             world.Barrier()
             record(f"ours_{schedule}", _timed(lambda s=schedule: our_step(s), 1, args.steps,
@@ -240,18 +253,15 @@ def worker(args: argparse.Namespace) -> None:
                                                args.steps, dist.barrier))
         for name, fn in (("raw", raw_pingpong), ("transport", our_pingpong)):
             world.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            link_s[name].append((time.perf_counter() - t0) / reps)
+            t, c = _timed(fn, 0, 1)
+            record(name, (t / reps, c / reps))
+    # CPU seconds summed over the ranks, round by round; wall time is rank 0's
+    every = world.gather(cpu, root=0)
     if rank == 0:
-        # fastest step of each variant over all rounds: the least disturbed by other load
-        best = {name: max(values) for name, values in sps.items()}
-        best["raw_s"] = min(link_s["raw"])
-        best["transport_s"] = min(link_s["transport"])
-        best["balance"] = balance
-        best["interleaved"] = interleaved
-        best["cpus"] = len(os.sched_getaffinity(0))  # the cores rank 0 (2 threads) may use
-        print(json.dumps(best), flush=True)
+        total = {name: [sum(r[name][i] for r in every) for i in range(args.rounds)] for name in cpu}
+        print(json.dumps({"wall": wall, "cpu": total, "balance": balance, "interleaved": interleaved,
+                          # the cores rank 0 (2 threads) may use
+                          "cpus": len(os.sched_getaffinity(0))}), flush=True)
     dist.destroy_process_group()
 
 
@@ -269,6 +279,45 @@ def _launch(args: argparse.Namespace) -> dict:
     return json.loads(lines[-1])
 
 
+# Each ratio: (key, baseline, candidate). Variants are the worker's names; "ours" and
+# "peer" stand for the best of GPipe and 1F1B (by median over the rounds), "best_single"
+# for the better single process. Every one is a speed-up: baseline time / candidate time.
+RATIOS = (("speedup_vs_single", "single", "ours"),
+          ("speedup_vs_single_2threads", "single_2threads", "ours"),
+          ("speedup_vs_best_single", "best_single", "ours"),
+          ("vs_torch_pipelining", "peer", "ours"),
+          ("speedup_interleaved_vs_single", "single", "ours_interleaved-1f1b"),
+          ("interleaved_vs_torch", "torch_interleaved-1f1b", "ours_interleaved-1f1b"),
+          ("transport_vs_raw", "raw", "transport"))
+RESNET_RATIOS = (("resnet18_speedup_vs_single", "single", "ours"),
+                 ("resnet18_vs_torch_pipelining", "peer", "ours"))
+
+
+def _resolve(r: dict) -> dict[str, str]:
+    """The variant each alias stands for: the faster by median seconds per step."""
+    def faster(*names: str) -> str:
+        return min(names, key=lambda n: statistics.median(r["wall"][n]))
+    return {"ours": faster("ours_gpipe", "ours_1f1b"), "peer": faster("torch_gpipe", "torch_1f1b"),
+            "best_single": faster("single", "single_2threads")}
+
+
+def _ratios(r: dict, ratios, figures: dict) -> dict[str, benchkit.Interval]:
+    """Each ratio's interval over the rounds, in wall and in CPU seconds per step, into figures."""
+    names = _resolve(r)
+    shown = {}
+    for key, base, cand in ratios:
+        base, cand = names.get(base, base), names.get(cand, cand)
+        for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
+            iv = benchkit.paired(r[clock][base], r[clock][cand], ratio=lambda b, c: b / c, few_ok=True)
+            benchkit.put(figures, key + suffix, iv, 3)
+            shown[key + suffix] = iv
+    return shown
+
+
+def _sps(r: dict, name: str, batch: int) -> float:
+    return round(batch / statistics.median(r["wall"][name]), 1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -277,19 +326,19 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64, help="mini-batch size")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per mini-batch")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=6,
-                        help="rounds; each variant's fastest step over all rounds is reported")
+    parser.add_argument("--rounds", type=int, default=benchkit.MIN_PAIRS,
+                        help=f"interleaved rounds, each a pair for every ratio (default {benchkit.MIN_PAIRS})")
     parser.add_argument("--quick", action="store_true",
-                        help="1 round of 2 steps: checks the bench runs end to end, its figures "
-                             "mean little")
+                        help="3 rounds of 2 steps: checks the bench runs end to end, its figures "
+                             "and intervals mean little")
     parser.add_argument("--resnet-width", type=int, default=16,
                         help="channels of the ResNet-18's stem (the real one: 64; default 16)")
-    parser.add_argument("--resnet-rounds", type=int, default=3,
-                        help="rounds of the ResNet-18 measurement (0: skip it)")
+    parser.add_argument("--resnet-rounds", type=int, default=benchkit.MIN_PAIRS,
+                        help=f"rounds of the ResNet-18 measurement (default {benchkit.MIN_PAIRS}; 0: skip it)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.rounds, args.resnet_rounds = 2, 1, min(args.resnet_rounds, 1)
+        args.steps, args.rounds, args.resnet_rounds = 2, 3, min(args.resnet_rounds, 2)
     if args.worker:
         worker(args)
         return 0
@@ -299,68 +348,61 @@ def main() -> int:
     if args.resnet_rounds > 0:
         resnet = _launch(argparse.Namespace(**{**vars(args), "model": "resnet18",
                                                "rounds": args.resnet_rounds}))
-    best_ours = max(r["ours_gpipe"], r["ours_1f1b"])
-    best_peer = max(r["torch_gpipe"], r["torch_1f1b"])
-    best_single = max(r["single"], r["single_2threads"])
-    figures = {
-        "single_sps": round(r["single"], 1),
-        "single_2threads_sps": round(r["single_2threads"], 1),
-        "gpipe_sps": round(r["ours_gpipe"], 1),
-        "onef1b_sps": round(r["ours_1f1b"], 1),
-        "interleaved_sps": round(r["ours_interleaved-1f1b"], 1),
-        "torch_pipelining_sps": round(best_peer, 1),
-        "torch_interleaved_sps": round(r["torch_interleaved-1f1b"], 1),
-        "speedup_vs_single": round(best_ours / r["single"], 3),
-        "speedup_vs_single_2threads": round(best_ours / r["single_2threads"], 3),
-        "speedup_vs_best_single": round(best_ours / best_single, 3),
-        "vs_torch_pipelining": round(best_ours / best_peer, 3),
-        "speedup_interleaved_vs_single": round(r["ours_interleaved-1f1b"] / r["single"], 3),
-        "interleaved_vs_torch": round(r["ours_interleaved-1f1b"] / r["torch_interleaved-1f1b"], 3),
-        "transport_vs_raw": round(r["raw_s"] / r["transport_s"], 3),
-        "cpus_rank0": r["cpus"],
+    names = _resolve(r)
+    figures: dict = {
+        "single_sps": _sps(r, "single", args.batch),
+        "single_2threads_sps": _sps(r, "single_2threads", args.batch),
+        "gpipe_sps": _sps(r, "ours_gpipe", args.batch),
+        "onef1b_sps": _sps(r, "ours_1f1b", args.batch),
+        "interleaved_sps": _sps(r, "ours_interleaved-1f1b", args.batch),
+        "torch_pipelining_sps": _sps(r, names["peer"], args.batch),
+        "torch_interleaved_sps": _sps(r, "torch_interleaved-1f1b", args.batch),
     }
+    shown = _ratios(r, RATIOS, figures)
+    figures.update(cpus_rank0=r["cpus"], pairs=args.rounds)
     if resnet is not None:
-        best_resnet = max(resnet["ours_gpipe"], resnet["ours_1f1b"])
         figures.update({
             "resnet18_width": args.resnet_width,
-            "resnet18_single_sps": round(resnet["single"], 1),
-            "resnet18_best_sps": round(best_resnet, 1),
-            "resnet18_speedup_vs_single": round(best_resnet / resnet["single"], 3),
-            "resnet18_vs_torch_pipelining": round(
-                best_resnet / max(resnet["torch_gpipe"], resnet["torch_1f1b"]), 3),
-            "resnet18_balance": resnet["balance"],
+            "resnet18_single_sps": _sps(resnet, "single", args.batch),
+            "resnet18_best_sps": _sps(resnet, _resolve(resnet)["ours"], args.batch),
         })
+        shown.update(_ratios(resnet, RESNET_RATIOS, figures))
+        figures.update(resnet18_balance=resnet["balance"], resnet18_pairs=args.resnet_rounds)
+    fewest = min(args.rounds, args.resnet_rounds) if resnet is not None else args.rounds
+    note = benchkit.few_pairs_note(fewest, "--quick" if args.quick else "--rounds or --resnet-rounds")
+    if note:
+        figures["note"] = note
     if args.json:
         print(json.dumps(figures))
         return 0
     print(f"model {args.model} (3x32x32), mini-batch {args.batch}, {args.chunks} micro-batches, "
           f"K={K}, balance {r['balance']} (interleaved, v={V}: {r['interleaved']}), "
-          f"one thread per rank (the single process also on 2), "
-          f"fastest step of {args.rounds} rounds")
+          f"one thread per rank (the single process also on 2), {args.rounds} interleaved rounds "
+          f"of {args.steps} steps: median samples/s, ratios as median (90% bootstrap interval)")
     if r["cpus"] < 2:
         print(f"  note: rank 0 could use {r['cpus']} core: the 2-thread baseline had no second core")
-    rows = [("single process, 1 thread", r["single"]),
-            ("single process, 2 threads", r["single_2threads"]),
-            ("mpipipe gpipe", r["ours_gpipe"]),
-            ("mpipipe 1f1b", r["ours_1f1b"]),
-            ("mpipipe interleaved-1f1b", r["ours_interleaved-1f1b"]),
-            ("torch.distributed.pipelining gpipe (gloo)", r["torch_gpipe"]),
-            ("torch.distributed.pipelining 1f1b (gloo)", r["torch_1f1b"]),
-            ("torch.distributed.pipelining interleaved 1f1b", r["torch_interleaved-1f1b"])]
-    for name, value in rows:
-        print(f"  {name:<44} {value:9.1f} samples/s")
-    print(f"  1 MB ping-pong round trip: raw mpi4py {r['raw_s'] * 1e6:.0f} us, "
-          f"Transport {r['transport_s'] * 1e6:.0f} us")
-    for key in ("speedup_vs_single", "speedup_vs_single_2threads", "speedup_vs_best_single",
-                "vs_torch_pipelining", "speedup_interleaved_vs_single", "interleaved_vs_torch",
-                "transport_vs_raw"):
-        print(f"  {key:<44} {figures[key]:9.3f}")
+    if note:
+        print(f"  note: {note}")
+    rows = [("single process, 1 thread", "single_sps"),
+            ("single process, 2 threads", "single_2threads_sps"),
+            ("mpipipe gpipe", "gpipe_sps"),
+            ("mpipipe 1f1b", "onef1b_sps"),
+            ("mpipipe interleaved-1f1b", "interleaved_sps"),
+            (f"torch.distributed.pipelining {names['peer'][6:]} (gloo)", "torch_pipelining_sps"),
+            ("torch.distributed.pipelining interleaved 1f1b", "torch_interleaved_sps")]
+    for name, key in rows:
+        print(f"  {name:<44} {figures[key]:9.1f} samples/s")
+    print(f"  1 MB ping-pong round trip: raw mpi4py {statistics.median(r['wall']['raw']) * 1e6:.0f} us, "
+          f"Transport {statistics.median(r['wall']['transport']) * 1e6:.0f} us")
+    print(f"  {'ratio':<44} {'wall time':<34} CPU seconds per step")
+    for key, *_ in RATIOS:
+        print(f"  {key:<44} {shown[key].text():<34} {shown[key + '_cpu'].text()}")
     if resnet is not None:
         print(f"ResNet-18 (width {args.resnet_width}, BatchNorm, from {RESNET18}), balance "
-              f"{resnet['balance']}: single {resnet['single']:.1f} samples/s, best mpipipe "
+              f"{resnet['balance']}: single {figures['resnet18_single_sps']:.1f} samples/s, best mpipipe "
               f"{figures['resnet18_best_sps']:.1f}")
-        for key in ("resnet18_speedup_vs_single", "resnet18_vs_torch_pipelining"):
-            print(f"  {key:<44} {figures[key]:9.3f}")
+        for key, *_ in RESNET_RATIOS:
+            print(f"  {key:<44} {shown[key].text():<34} {shown[key + '_cpu'].text()}")
     return 0
 
 

@@ -5,9 +5,12 @@ batch 1536. The CSDs' speed is a model: each CSD step lasts 8x the least CPU
 time per sample of its recent similar steps (stannis/csd.py), not a device's
 measured speed. All figures come from one MPI job that runs the real Stannis
 trainer (`stannis.trainer.Trainer`): first 30 tuned steps so that HyperTune
-converges (as it does early in any run), then five rounds, reporting medians,
-because the machine is shared and noisy and a figure measured a minute later is
-not comparable. Each round:
+converges (as it does early in any run), then seven rounds (``--quick``: three, fewer
+than an interval needs, and it says so), reporting each ratio as the median of the
+rounds' ratios with a 90 % bootstrap interval (``<key>_interval``,
+mpipipe/tools/benchkit.py), because the machine is shared and noisy and a figure
+measured a minute later is not comparable. Each round is a pair for every ratio (the
+two variants of a ratio run in the same round, their order alternating). Each round:
 
 * each rank alone at its tuned batch (context: how much slower the host
   computes beside the CSDs), and the host alone at the global batch (host only);
@@ -26,6 +29,12 @@ not comparable. Each round:
   ratio HyperTune kept in the rounds (``retune_threshold`` = 0.9 x
   ``tuned_vs_ideal``): how fast it re-balances, apart from how well it
   balances, which ``tuned_vs_ideal`` already says.
+
+``tuned_vs_equal_cpu`` and ``tuned_vs_host_only_cpu`` are the same ratios in CPU seconds
+per step (every rank's ``time.process_time`` over the phase's steps, summed; the host
+alone: its own): baseline CPU per step over HyperTune's. An emulated CSD sleeps out
+its modelled slow-down, so its CPU is its real compute only. A ratio to the bound has
+no CPU form (the bound is not a run).
 
 Samples per joule come from the power model (stannis/energy.py) over each
 phase's wall time, paired step for step with its samples, and carry "model" in
@@ -49,6 +58,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mpipipe.tools import benchkit  # noqa: E402
 from mpipipe.tools.launch import run_mpi  # noqa: E402
 
 SHAPE = (3, 32, 32)
@@ -58,8 +68,8 @@ WINDOW = 3  # steps per throughput window after the slow fault
 RECOVERED = 0.9  # a window within 10% of the rounds' tuned / ideal counts as recovered
 # Rounds, tuning steps before the rounds, measured steps per variant and round, steps
 # measured after the slow fault: full and --quick (checks the bench end to end).
-SIZES = {"full": {"rounds": 5, "converge": 30, "measured": 15, "slow_phase": 40},
-         "quick": {"rounds": 2, "converge": 10, "measured": 5, "slow_phase": 15}}
+SIZES = {"full": {"rounds": benchkit.MIN_PAIRS, "converge": 30, "measured": 15, "slow_phase": 40},
+         "quick": {"rounds": 3, "converge": 10, "measured": 5, "slow_phase": 15}}
 CSD_SPEED = ("modelled: each emulated CSD step lasts {slowdown:g} x the least CPU time per "
              "sample of its recent steps at a similar batch (stannis/csd.py Stretch)")
 
@@ -154,13 +164,13 @@ def worker(args: argparse.Namespace) -> None:
         while not req.Test():
             time.sleep(0.001)
 
-    alone_cores = [0.0]  # CPU cores the host used when it last trained alone
+    alone_cores = [0.0, 0.0]  # CPU cores the host used when it last trained alone; its CPU s a step
 
     def alone(who: int, batch: int, steps: int) -> float:
         """Samples/s of rank ``who`` training alone while the others wait."""
         barrier()
         sps = 0.0
-        cores = 0.0
+        cores = cpu = 0.0
         if rank == who:
             tr.stepper.compute(batch)
             tr.stepper.optimizer.step()
@@ -170,10 +180,12 @@ def worker(args: argparse.Namespace) -> None:
                 tr.stepper.optimizer.step()
             wall = time.perf_counter() - t
             sps = steps * batch / wall
-            cores = (time.process_time() - c) / wall
+            cpu = time.process_time() - c
+            cores = cpu / wall
         barrier()
         if who == 0:
             alone_cores[0] = raw.bcast(cores, root=who)
+            alone_cores[1] = raw.bcast(cpu / steps, root=who)
         return raw.bcast(sps, root=who)
 
     # Host: re-tunes (plan changes by the tuner) and tuned steps while no fault is
@@ -240,7 +252,8 @@ def worker(args: argparse.Namespace) -> None:
         host_n = sum(rec["ranks"][0][0] for rec in mine)
         return {"t0": t, "records": mine, "wall": wall, "judged": judged,
                 "spj_model": judged.sps * wall / joules if joules else 0.0,
-                "cores": cpu / wall, "host_s_per_sample": compute[0] / host_n if host_n else
+                "cores": cpu / wall, "cpu_per_step": cpu / steps,
+                "host_s_per_sample": compute[0] / host_n if host_n else
                 float("nan")}
 
     def set_batches(batches: list[int]) -> None:
@@ -269,7 +282,7 @@ def worker(args: argparse.Namespace) -> None:
     for i in range(size["rounds"]):
         standalone = [alone(r, tuned_plan[r], 3 if r else 8) for r in range(run.size)]
         host_only = alone(0, B, 6)
-        host_only_cores = alone_cores[0]
+        host_only_cores, host_only_cpu = alone_cores
         tr.comm.take()
         # Equal first in even rounds, HyperTune first in odd ones: neither always
         # follows the other's plan.
@@ -289,6 +302,8 @@ def worker(args: argparse.Namespace) -> None:
         rounds.append({
             "order": list(order), "load_avg": os.getloadavg()[0],
             "standalone": standalone, "host_only": host_only, "host_only_cores": host_only_cores,
+            "host_only_cpu_step": host_only_cpu, "equal_cpu_step": eq["cpu_per_step"],
+            "tuned_cpu_step": tu["cpu_per_step"],
             "host_spj_model": host_spj,
             "equal": eq["judged"].sps, "equal_ideal": eq["judged"].ideal_sps,
             "equal_vs_ideal": eq["judged"].ratio, "equal_invalid": eq["judged"].reason,
@@ -383,14 +398,28 @@ def _median(values: list[float]) -> float:
     return float(np.median(values))
 
 
-def verdict(rounds: list[dict], key: str) -> tuple[float | None, str]:
-    """The median of every round's measured / ideal, or None and why if any round is invalid."""
+def verdict(rounds: list[dict], key: str) -> tuple[benchkit.Interval | None, str]:
+    """The median of every round's measured / ideal with its interval, or None and why if any
+    round is invalid."""
     bad = [(i, r[key.replace("_vs_ideal", "_invalid")]) for i, r in enumerate(rounds)
            if r[key] is None]
     if bad:
         i, why = bad[0]
         return None, f"round {i + 1} of {len(rounds)}: {why}"
-    return round(_median([r[key] for r in rounds]), 3), ""
+    return benchkit.bootstrap([r[key] for r in rounds], few_ok=True), ""
+
+
+def _ratios(rounds: list[dict]) -> dict:
+    """The ratios of each round's two variants (a pair), median and interval, in samples/s
+    and in CPU seconds per step (baseline's CPU per step over HyperTune's)."""
+    out: dict = {}
+    for key, base in (("tuned_vs_equal", "equal"), ("tuned_vs_host_only", "host_only")):
+        benchkit.put(out, key, benchkit.paired([r[base] for r in rounds], [r["tuned"] for r in rounds],
+                                               few_ok=True), 3)
+        benchkit.put(out, f"{key}_cpu", benchkit.paired([r[f"{base}_cpu_step"] for r in rounds],
+                                                        [r["tuned_cpu_step"] for r in rounds],
+                                                        ratio=lambda b, c: b / c, few_ok=True), 3)
+    return out
 
 
 def summarise(rounds: list[dict], slow: dict, slow_step: int, args: argparse.Namespace) -> dict:
@@ -398,8 +427,9 @@ def summarise(rounds: list[dict], slow: dict, slow_step: int, args: argparse.Nam
            for k in ("host_only", "host_spj_model", "equal", "equal_ideal", "equal_spj_model",
                      "tuned", "tuned_ideal", "tuned_spj_model")}
     standalone = np.median(np.array([r["standalone"] for r in rounds]), axis=0)
-    tuned_vs_ideal, why = verdict(rounds, "tuned_vs_ideal")
-    equal_vs_ideal, equal_why = verdict(rounds, "equal_vs_ideal")
+    tuned_iv, why = verdict(rounds, "tuned_vs_ideal")
+    equal_iv, equal_why = verdict(rounds, "equal_vs_ideal")
+    tuned_vs_ideal = None if tuned_iv is None else round(tuned_iv.median, 3)
     threshold = None if tuned_vs_ideal is None else round(RECOVERED * tuned_vs_ideal, 3)
     retune_steps, invalid_windows = recovery(slow, slow_step, threshold)
     tail = slow["records"][-10:]
@@ -414,13 +444,16 @@ def summarise(rounds: list[dict], slow: dict, slow_step: int, args: argparse.Nam
         "tuned_sps": round(med["tuned"], 1),
         "ideal_sps": round(med["tuned_ideal"], 1),
         "tuned_vs_ideal": tuned_vs_ideal,
+        "tuned_vs_ideal_interval": tuned_iv.bounds(3) if tuned_iv else [None, None],
         "tuned_vs_ideal_valid": tuned_vs_ideal is not None,
         "tuned_vs_ideal_invalid_reason": why or None,
-        "equal_vs_ideal": equal_vs_ideal,
+        "equal_vs_ideal": None if equal_iv is None else round(equal_iv.median, 3),
+        "equal_vs_ideal_interval": equal_iv.bounds(3) if equal_iv else [None, None],
         "equal_vs_ideal_invalid_reason": equal_why or None,
         # Paired within each round (same load), then the median over the rounds.
-        "tuned_vs_equal": round(_median([r["tuned"] / r["equal"] for r in rounds]), 3),
-        "tuned_vs_host_only": round(_median([r["tuned"] / r["host_only"] for r in rounds]), 3),
+        **_ratios(rounds),
+        "pairs": len(rounds),
+        "note": benchkit.few_pairs_note(len(rounds), "--quick" if args.size == "quick" else "rounds"),
         "retune_steps": retune_steps,
         "retune_threshold": threshold,
         "equal_spj_model": round(med["equal_spj_model"], 2),
@@ -502,31 +535,37 @@ def main() -> int:
     n = len(detail["rounds"])
     print(f"Stannis benchmark{' (--quick: checks it runs, figures mean little)' if args.size == 'quick' else ''}: "
           f"1 host + {CSDS} emulated CSDs, LeNet 3x32x32, global batch {args.global_batch}, "
-          f"median of {n} rounds")
+          f"median of {n} rounds (each ratio: median [90% bootstrap interval] over the rounds)")
+    if result.get("note"):
+        print(f"  note: {result['note']}")
     print(f"  CSD speed is {result['csd_speed_model']}")
     print("  samples/s per rank, each alone at its tuned batch: " + ", ".join(
         f"{x:,.0f}" for x in detail["standalone_sps"]) + f" (sum {detail['alone_sum_sps']:,.0f})")
-    print(f"  {'variant':<14} {'samples/s':>10} {'bound':>10} {'/ bound':>8} "
+    print(f"  {'variant':<14} {'samples/s':>10} {'bound':>10} {'/ bound':>22} "
           f"{'samples/J (modelled)':>21}")
 
-    def ratio(x: float | None) -> str:
-        return f"{x:.3f}" if x is not None else "INVALID"
+    def ratio(x: float | None, key: str | None = None) -> str:
+        if x is None:
+            return "INVALID"
+        bounds = result.get(f"{key}_interval") if key else None
+        return f"{x:.3f}" + (f" [{bounds[0]:.3f}..{bounds[1]:.3f}]" if bounds and None not in bounds else "")
 
     rows = [("host only", result["host_only_sps"], None, None, detail["host_only_spj_model"]),
             ("equal batches", result["equal_sps"], detail["equal_ideal_sps"],
-             ratio(result["equal_vs_ideal"]), result["equal_spj_model"]),
+             ratio(result["equal_vs_ideal"], "equal_vs_ideal"), result["equal_spj_model"]),
             ("HyperTune", result["tuned_sps"], result["ideal_sps"],
-             ratio(result["tuned_vs_ideal"]), result["tuned_spj_model"])]
+             ratio(result["tuned_vs_ideal"], "tuned_vs_ideal"), result["tuned_spj_model"])]
     for name, sps, bound, r, spj in rows:
         print(f"  {name:<14} {sps:>10,.0f} {'' if bound is None else f'{bound:,.0f}':>10} "
-              f"{r or '':>8} {spj:>21.2f}")
+              f"{r or '':>22} {spj:>21.2f}")
     print("  bound: every rank's samples over its busy time in the same steps, summed (no rank "
           "waits); measured / bound is at most 1")
     for key in ("tuned_vs_ideal_invalid_reason", "equal_vs_ideal_invalid_reason"):
         if result.get(key):
             print(f"  INVALID ({key.split('_vs')[0]}): {result[key]}")
-    print(f"  HyperTune / equal {result['tuned_vs_equal']:.2f}, / host only "
-          f"{result['tuned_vs_host_only']:.2f} (paired per round)")
+    for key, what in (("tuned_vs_equal", "equal"), ("tuned_vs_host_only", "host only")):
+        print(f"  HyperTune / {what} {ratio(result[key], key)}, in CPU seconds per step "
+              f"{ratio(result[key + '_cpu'], key + '_cpu')} (paired per round)")
     print(f"  load average {detail['load_avg']:.1f}; the host computed "
           f"{detail['host_interference']:.2f}x slower per sample beside the CSDs than alone")
     print(f"  CPU cores used: host only {detail['host_only_cores']:.2f}, HyperTune (all ranks) "

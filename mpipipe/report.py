@@ -715,7 +715,8 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], out: str | Path, *, title: str
     lose, and how much less depends on the link rate; one figure shows both sides.
     ``rows`` carry ``mode``, ``R``, ``link_mbit``, ``overhead`` (measured step time over
     the plain pipeline's, minus 1) and ``lost_updates`` (the cost model's bound for that
-    mode and R); ``measured_lost`` adds (mode, R, lost updates) seen in runs with a fault.
+    mode and R), and may carry ``overhead_interval`` ((lo, hi), drawn as an error bar);
+    ``measured_lost`` adds (mode, R, lost updates) seen in runs with a fault.
     Left: overhead against R, one line per mode and link rate. Right: lost updates.
 
     Raises:
@@ -765,6 +766,12 @@ def _draw_tradeoff(left: Any, right: Any, rows: Sequence[dict[str, Any]],
             if pts:
                 left.plot(*zip(*pts, strict=True), marker="o", color=color, linestyle=LINESTYLES[i % 4],
                           label=f"{mode}, {rate:g} Mbit/s")
+            for r in rows:  # a point measured in pairs: its bootstrap interval as an error bar
+                if r["mode"] == mode and float(r["link_mbit"]) == rate and r.get("overhead_interval"):
+                    lo, hi = r["overhead_interval"]
+                    mid = 100 * r["overhead"]
+                    left.errorbar([r["R"]], [mid], yerr=[[mid - 100 * lo], [100 * hi - mid]], fmt="none",
+                                  color=color, capsize=3)
         bound = sorted({(r["R"], r["lost_updates"]) for r in rows if r["mode"] == mode})
         right.plot(*zip(*bound, strict=True), marker="o", color=color, label=f"{mode}: most a takeover can lose")
     for mode, r, lost in measured_lost:

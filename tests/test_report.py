@@ -504,6 +504,7 @@ def test_idle_backups_appear_in_the_table(tmp_path: Path) -> None:
 def test_tradeoff_plot_is_written_and_a_row_without_a_key_is_named(tmp_path: Path) -> None:
     rows = [{"mode": m, "R": r, "link_mbit": rate, "overhead": 0.01 * r, "lost_updates": 0 if m == "hot" else r - 1}
             for m in ("cold", "hot") for r in (1, 10) for rate in (20.0, 100.0)]
+    rows[0]["overhead_interval"] = (-0.005, 0.03)  # a point measured in pairs: drawn with its interval
     path = report.plot_tradeoff(rows, tmp_path / "sub" / "tradeoff.png", title="t",
                                 measured_lost=[("cold", 10, 5.0)])
     assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -18,6 +18,9 @@ A node is
   - cores of its own: the same cgroup's ``cpuset.cpus`` (:meth:`Testbed.cores`), so that
     a node runs on the same core(s) in every run, as a real node does on its own, and
     does not take turns with whichever nodes the scheduler put beside it this time;
+  - its CPU time counted: ``usage_usec`` of the cgroup's ``cpu.stat`` under v2, its
+    ``cpuacct.usage`` under v1 (a group ``mpt-NODE`` in the ``cpuacct`` hierarchy when that
+    is mounted apart from ``cpu``), read by :func:`cpu_seconds`;
   - a hostname ``mpt-NODE`` in a UTS namespace of each process started on it (Open MPI
     needs distinct hostnames, or its first exchange across nodes hangs), and a line in
     ``/etc/hosts`` so that ``mpirun`` on the host finds it.
@@ -57,8 +60,8 @@ from typing import Any
 from mpipipe.core.mpi.testbed_nodes import PREFIX, STATE
 
 __all__ = ["PREFIX", "AGENT", "TestbedError", "Node", "Testbed", "load", "check_supported", "up", "down",
-           "current", "running", "leftovers", "mpirun_args", "slurm_mpirun_args", "node_here", "node_command",
-           "add_parser", "main"]
+           "current", "running", "leftovers", "cpu_seconds", "mpirun_args", "slurm_mpirun_args", "node_here",
+           "node_command", "add_parser", "main"]
 
 HOSTS_TAG = "# mpt-testbed"
 BRIDGE = PREFIX + "br"
@@ -314,8 +317,50 @@ def _parent(controller: str) -> Path | None:
 
 def _groups() -> list[Path]:
     """Every testbed cgroup on this machine, in each hierarchy that can hold one."""
-    parents = (CGROUP_ROOT / "cpu", CGROUP_ROOT / "cpuset", CGROUP_ROOT)
+    parents = (CGROUP_ROOT / "cpu", CGROUP_ROOT / "cpuset", CGROUP_ROOT / "cpuacct", CGROUP_ROOT)
     return [g for p in parents if p.is_dir() for g in sorted(p.glob(PREFIX + "*")) if g.is_dir()]
+
+
+def _accounting_group(cpu_group: Path) -> Path | None:
+    """The cgroup of the cpuacct hierarchy a node needs beside its CPU group, or None.
+
+    None where the CPU group counts its own CPU time: under v2 (``cpu.stat``'s
+    ``usage_usec``) and under v1 with ``cpu,cpuacct`` mounted together.
+    """
+    v1 = CGROUP_ROOT / "cpuacct"
+    if cpu_group.parent == CGROUP_ROOT or not (v1 / "cpuacct.usage").exists():
+        return None
+    if v1.resolve() == cpu_group.parent.resolve():
+        return None
+    return v1 / cpu_group.name
+
+
+def _usage_s(node_host: str) -> float | None:
+    """CPU seconds a node's processes have used since its cgroups were made, or None."""
+    stat = CGROUP_ROOT / node_host / "cpu.stat"  # v2
+    with contextlib.suppress(OSError, ValueError):
+        for line in stat.read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) / 1e6
+    for usage in (CGROUP_ROOT / "cpu" / node_host / "cpuacct.usage",  # v1, cpu,cpuacct together
+                  CGROUP_ROOT / "cpuacct" / node_host / "cpuacct.usage"):  # v1, apart
+        with contextlib.suppress(OSError, ValueError):
+            return int(usage.read_text()) / 1e9
+    return None
+
+
+def cpu_seconds(tb: Testbed) -> dict[str, float] | None:
+    """Each node's CPU seconds so far (user + system, from its cgroup), or None if unreadable.
+
+    Why: a bench on the testbed wants the CPU a job used, apart from the wall time the
+    quota stretched it to; read it before and after the job and take the difference.
+    None when any node's counter cannot be read (a testbed made by a version that made
+    no cpuacct group under v1): the caller says so rather than guessing.
+    """
+    found = {node.name: _usage_s(node.host) for node in tb.nodes}
+    if any(v is None for v in found.values()):
+        return None
+    return {k: float(v) for k, v in found.items() if v is not None}
 
 
 def _set_cores(group: Path, parent: Path, cores: Sequence[int]) -> None:
@@ -455,6 +500,10 @@ def _up(tb: Testbed) -> None:
             group.mkdir()
             joins.append(group / "cgroup.procs")
         _set_cores(group, cpusets, cores[node.name])
+        accounting = _accounting_group(parent / ns)
+        if accounting is not None:  # v1 with cpuacct apart from cpu: a group that counts the node's CPU
+            accounting.mkdir(exist_ok=True)  # (exist_ok: a down that knew no cpuacct group left it)
+            joins.append(accounting / "cgroup.procs")
         # What the rsh agent reads: the files it writes its pid to in order to join the node
         # (the CPU budget's first: node faults read that one).
         (STATE / "nodes" / ns).write_text("".join(f"{j}\n" for j in joins))
