@@ -95,6 +95,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import resilience as rsl  # noqa: E402
 from bench import stannis as sbench  # noqa: E402
+from bench import tradeoff  # noqa: E402
 from mpipipe.respipe import costmodel  # noqa: E402
 from mpipipe.tools import benchkit, emulator  # noqa: E402
 from mpipipe.tools.emulator import Node, Testbed  # noqa: E402
@@ -117,6 +118,8 @@ TARGETS: dict[str, tuple[str, float, float | None]] = {
     "restart_vs_respipe": ("min", 10.0, None),
     "stannis_vs_ship": ("min", 1.3, None),
     "stannis_tuned_vs_ideal": ("min", 0.9, None),
+    "auto_vs_best_fixed": ("min", 0.95, None),
+    "goodput_model_error": ("max", 0.15, None),
 }
 SIZES: dict[str, dict[str, Any]] = {
     "full": {"steps": 150, "repeat": benchkit.MIN_PAIRS, "rates": (20, 100, 1000), "rs": (1, 10, 50),
@@ -698,6 +701,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         figures.update(node_kill(bench, size))
     if args.only in (None, "stannis"):
         figures.update(stannis(bench, size["stannis"]))
+    if args.only in (None, "goodput"):
+        figures.update(tradeoff.measure(bench, respipe_testbed, "quick" if args.quick else "full", settings,
+                                        step_s, rsl.RANKS, rsl.BATCH))
     figures.update(jobs=bench.count, wall_s=round(time.monotonic() - t0, 1), repeat=size["repeat"],
                    steps=steps, cpu_per_node=CPU, failed=bench.failed, relaunched=bench.relaunched,
                    size="quick" if args.quick else "full", load_avg=round(os.getloadavg()[0], 2),
@@ -727,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="where the trade-off plot goes (default: a new temporary folder; "
                                       "make docs-figures passes --out docs/cluster-tradeoff.png)")
     parser.add_argument("--keep", metavar="DIR", help="keep the run logs in a new directory under DIR")
-    parser.add_argument("--only", choices=("link", "respipe", "node-kill", "stannis"), help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=("link", "respipe", "node-kill", "stannis", "goodput"),
+                        help="run one part of the bench only (goodput: the trade-off under Poisson failures)")
     parser.add_argument("--ship-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
