@@ -81,6 +81,7 @@ class ModelPlan:
     # (``balance`` once for each that agreed: the cut is as stable as they are alike).
     layer_costs: list[float] = field(default_factory=list)
     measured_cuts: list[list[int]] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)  # resilience.inject, a process with its first events
 
     @property
     def params(self) -> int:
@@ -200,7 +201,28 @@ def build_plan(cfg: Mapping[str, Any], in_shape_arg: str | None = None) -> Model
         stages=stages,
         layer_costs=cut.costs,
         measured_cuts=cut.cuts,
+        faults=_faults(cfg),
     )
+
+
+def _faults(cfg: Mapping[str, Any]) -> list[str]:
+    """The injected faults (``resilience.inject``) as the run would draw them, on the
+    launch plan of the configuration's own world (stages and backups, or its [plan]).
+
+    Raises:
+        ValueError: a bad fault spec, or a plan that does not fit (one line).
+    """
+    specs = cfg["resilience"].get("inject", [])
+    if not specs:
+        return []
+    from mpipipe.core.mpi.faults import parse_all, preview
+    from mpipipe.pipeline.plan import backup_counts, pipeline_plan
+
+    k = cfg["pipeline"]["stages"]
+    world = len(cfg["plan"]) if cfg.get("plan") else \
+        k + sum(backup_counts(cfg["resilience"].get("backups", {}), k).values())
+    launch = pipeline_plan(cfg, world)
+    return [preview(f, launch) for f in parse_all(specs)]
 
 
 def _stage_plans(chunks: Sequence[Any], balance: Sequence[int], k: int,
@@ -281,6 +303,9 @@ def format_plan(plan: ModelPlan) -> str:
     out.append("activation out: bytes per sample each chunk sends on (\"-\": the model's output, "
                "not sent);")
     out.append("replica: the exact bytes a backup receives (parameters, buffers, optimizer state).")
+    if plan.faults:
+        out.append("faults (resilience.inject; a process's times count from the run's start):")
+        out += ["  " + f for f in plan.faults]
     return "\n".join(out)
 
 

@@ -227,6 +227,12 @@ def _check_faults(specs: list) -> None:
     except FaultError as e:
         raise PlanError(str(e)) from None
     for f in faults:
+        if f.how.process and f.what == "node" and f.seconds:
+            raise PlanError(f"fault {f}: Stannis finds a lost CSD by ULFM only (it has no deadline), "
+                            "so a node back after rejoin= (a partition) would only stall every rank "
+                            "until it ends; drop rejoin= (each event a node-kill)")
+        if f.how.process:
+            continue  # it draws CSD ranks (never the host) or nodes, checked at start-up
         if f.kind == "partition":
             raise PlanError(f"fault {f}: Stannis finds a lost CSD by ULFM only (it has no deadline), "
                             "so a partition would only stall every rank until it ends; use "

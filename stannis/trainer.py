@@ -68,7 +68,7 @@ class Trainer:
         state, loss_fn, schedule = self._build_model(device.in_shape(run.fail))
         self.stepper = DataParallelStep(self.group, state, loss_fn, schedule, device, cfg)
         self.injection = Injection(cfg["stannis"]["inject"], seed, self.world_rank, run.size,
-                                   self.is_host, self.log)
+                                   self.is_host, self.log, run.plan)
         self.tuning = Tuning(cfg, self.group, device.records, run.plan.role_of, device.max_batch,
                              self.is_host, self.log, run.progress)
         self.figures = StepFigures(self.group, device.meter, self.log, run.progress, self.is_host)
@@ -158,6 +158,7 @@ class Trainer:
             self._log_start()
         self._start()
         self.comm.take()
+        self.injection.start()
         self.t_train = time.perf_counter()  # samples/s in the summary counts training only
         ends = 0
         while True:

@@ -291,3 +291,53 @@ def test_a_stall_aimed_at_a_backup_fires_and_the_run_goes_on(runs):
     lost = [e for e in run.events if e["kind"] in ("failure_detected", "late")]
     assert [(e["rank"], e["detail"]["backup_of"]) for e in lost][:1] == [(3, 1)], run.events
     assert not run.events_of("takeover")
+
+
+# -- failures as a process ---------------------------------------------------------------------
+
+POISSON = "poisson:rate=1/s:seed=5"  # kills rank 0 at 1.05 s, rank 3 at 1.71 s, rank 1 at 6.48 s
+
+
+@pytest.mark.timeout(600)
+def test_a_poisson_process_kills_the_ranks_it_drew_and_logs_each_event(digits, tmp_path):
+    """2 stages, each with a backup (ranks 2, 3), 300 steps of a few seconds at R = 1, under a
+    process that takes a rank about every second. How many events fall inside the run
+    depends on the machine's speed, so the test holds the run to the sequence: the log's
+    events are its first ones, each on its victim at or after its time, and the run
+    completed unless they took every holder of a stage (then it ended in the documented
+    'no backup left')."""
+    from mpipipe.core.mpi.faults import parse
+    from mpipipe.core.mpi.poisson import Process
+
+    log = tmp_path / "poisson.h5"
+    args = ["--config", str(RESPIPE), "--set", f'data.path="{digits}"', "--set", "run.steps=300",
+            "--set", "pipeline.stages=2", "--set", "resilience.backups={0 = 1, 1 = 1}",
+            "--set", "resilience.replicate_every=1", "--set", "resilience.deadline_s=1.5",
+            "--set", "run.eval_every=0", "--set", f"data.batch_size={BATCH}",
+            "--inject", POISSON, "--log", str(log)]
+    result = _train(4, *args, ulfm=True, timeout=300)
+    f = parse(POISSON)
+    expected = Process(f.rate, f.seed, [0, 1, 2, 3], ends_victim=True).first(4)
+    run = open_log(log)
+    fired = run.events_of("fault_injected")
+    assert 1 <= len(fired) <= 4, (run.events, result.stderr[-3000:])
+    for e, want in zip(fired, expected[:len(fired)], strict=True):
+        assert e["rank"] == want.victim
+        assert e["detail"]["fault"] == (f"kill:rank={want.victim}:step={e['step']} "
+                                        f"(poisson #{want.number} at {want.at_s:.1f} s)")
+        assert e["time"] >= want.at_s  # the log opened before the run's clock started
+    killed = {e["rank"] for e in fired}
+    holders = {0: {0, 2}, 1: {1, 3}}
+    lost = [k for k, ranks in holders.items() if ranks <= killed]
+    if not lost:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert run.attrs["status"] == "completed"
+        assert list(run.steps["step"]) == list(range(1, 301))  # every row once
+        assert np.isfinite(run.steps["loss"]).all()
+        # each stage killed was taken over by its backup
+        taken = sorted(e["detail"]["stage"] for e in run.events_of("takeover"))
+        assert taken == sorted(k for k, ranks in holders.items() if min(ranks) in killed)
+    else:
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "has no backup left" in result.stderr
+        assert run.attrs["status"].startswith(f"failed: stage {lost[0]}")

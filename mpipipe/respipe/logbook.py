@@ -19,7 +19,7 @@ from typing import Any
 from mpipipe.core.logs.logschema import EventKind
 from mpipipe.core.logs.runlog import LogError
 from mpipipe.core.mpi import ft
-from mpipipe.core.mpi.faults import Fault
+from mpipipe.core.mpi.faults import Fault, FaultPlan
 from mpipipe.respipe.control import _EVAL, _FAULT, _FIGS, _LOSS, _RELEASED
 from mpipipe.respipe.costmodel import predict, stage_shapes
 from mpipipe.respipe.membership import Membership
@@ -68,6 +68,7 @@ class Logbook:
         self.loss_copies: dict[int, float] = {}  # the loss keeper's: step -> loss
         self.pending_rows: dict[int, _Row] = {}
         self.fault_notes: dict[int, tuple[float, str]] = {}  # world rank -> (time, spec)
+        self.faults: FaultPlan | None = None  # names a fault a process drew (the trainer sets it)
         self.open_events: list[dict[str, Any]] = []  # takeovers waiting for their recovery_s
         self.events: list[tuple[str, dict[str, Any]]] = []  # what this rank logged (for tests)
         self.last_eval = math.nan
@@ -76,6 +77,8 @@ class Logbook:
 
     def fault_fired(self, fault: Fault, step: int, detail: Mapping[str, float]) -> None:
         now = time.time()
+        # A process's event: which one, for the writer to name it (FaultPlan.drawn_fault).
+        drawn = [detail["process"], detail["event"]] if "event" in detail else []
         if self.m.is_logger:
             self.log_event(EventKind.FAULT_INJECTED, step, self.m.wrank, fault=str(fault), at=now)
             if fault.how.silences:
@@ -83,11 +86,11 @@ class Logbook:
                 # detected_after_s and recovery_s: every member hears it (logged: 1).
                 for w in self.m.members:
                     if w != self.m.wrank:
-                        self.m.control.send(_FAULT, self.m.drank(w), [now, step, self.m.wrank, 1],
-                                          seq=self.m.wrank)
+                        self.m.control.send(_FAULT, self.m.drank(w),
+                                            [now, step, self.m.wrank, 1, *drawn], seq=self.m.wrank)
         else:
-            self.m.control.send(_FAULT, self.m.drank(self.m.log_w), [now, step, self.m.wrank, 0],
-                              seq=self.m.wrank)
+            self.m.control.send(_FAULT, self.m.drank(self.m.log_w),
+                                [now, step, self.m.wrank, 0, *drawn], seq=self.m.wrank)
         if fault.how.ends_process:
             time.sleep(0.01)  # let the note leave before the process dies (or the link goes)
 
@@ -101,9 +104,12 @@ class Logbook:
             msg = self.m.control.poll(_FAULT, self.m.drank(w), seq=w)
             while msg is not None:
                 t, step = float(msg[0]), int(msg[1])
-                spec = next((str(f) for f in self.m.settings.faults
-                             if f.targets(stage=self.m.launch_stage(w), rank=w)
-                             and (f.how.repeats or f.step == step)), "?")
+                if len(msg) >= 6 and self.faults is not None:
+                    spec = str(self.faults.drawn_fault(int(msg[4]), int(msg[5]), step))
+                else:
+                    spec = next((str(f) for f in self.m.settings.faults
+                                 if f.targets(stage=self.m.launch_stage(w), rank=w)
+                                 and (f.how.repeats or f.step == step)), "?")
                 # A new writer skips older faults of the old one (a stall it survived).
                 if not (new_writer and step < self.m.done - 1):
                     self.fault_notes[w] = (t, spec)

@@ -146,7 +146,9 @@ class ResPipe:
                             batch_size=int(cfg["data"]["batch_size"]), in_shape=shape,
                             make_optimizer=make_optimizer, evaluate=evaluate)
         self.faults = FaultPlan(settings.faults, seed=int(cfg["run"]["seed"]),
-                                stage=m.stage, rank=m.wrank, on_fire=self.book.fault_fired)
+                                stage=m.stage, rank=m.wrank, on_fire=self.book.fault_fired,
+                                plan=plan)
+        self.book.faults = self.faults  # the writer names the faults other ranks' processes fire
         self.hot = HotMirror(m, self.replicas, self.book, batch_of=batch_of, loss_fn=loss_fn,
                              schedule=schedule, in_shape=shape)
         self.rejoin = Rejoin(m, self.replicas, self.faults)
@@ -225,6 +227,7 @@ class ResPipe:
         # first step counts their start-up.
         m.data.Barrier()
         t_start = time.time()
+        self.faults.start()  # a poisson process's clock: the run's start, alike on every rank
         rnd: Round | None = None
         while True:
             try:

@@ -4,6 +4,10 @@ Two more kinds act on a whole testbed node (see docs/testbed.md): ``node-kill`` 
 every process of a node, ``partition`` takes its link down. A node is not a rank, so which
 rank fires them is worked out from every rank's host, gathered at start-up
 (:func:`check_nodes` records it): the lowest rank on the node.
+
+A ``poisson`` fault is a process of faults: kills (or stalls, or node faults) at seeded
+exponential intervals of wall time, every rank expanding it alike
+(:mod:`mpipipe.core.mpi.poisson`); each event fires as the concrete fault it stands for.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mpipipe.core.mpi.poisson import Clocked, Event, Process, node_victims, rank_victims
+from mpipipe.core.units import format_rate, parse_duration, parse_rate
+
 if TYPE_CHECKING:
     from mpipipe.core.mpi.roles import LaunchPlan
 
 __all__ = ["Fault", "FaultError", "FaultKind", "FaultPlan", "FAULT_KINDS", "parse", "parse_all",
            "check_reachable", "check_nodes", "target_rank", "firing_rank", "kill_node", "set_link", "KINDS",
-           "NODE_KINDS"]
+           "NODE_KINDS", "preview"]
 
 @dataclass(frozen=True)
 class FaultKind:
@@ -44,6 +51,7 @@ class FaultKind:
     silences: bool = False  # the target stops answering: the log writer may move
     ends_process: bool = False  # the target's process does not come back
     repeats: bool = False  # may fire at every step from its step (delay), not only at it
+    process: bool = False  # a process of faults (poisson): draws its targets, in wall time
 
 
 def _kind(name: str, required: str, optional: str, example: str, **how: bool) -> FaultKind:
@@ -63,10 +71,13 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
           ends_process=True),
     _kind("partition", "node step", "seconds", "partition:node=b:step=20:seconds=10", on_node=True,
           silences=True, ends_process=True),
+    _kind("poisson", "rate seed", "rejoin what", "poisson:rate=1/30min:seed=1:rejoin=20s",
+          process=True),
 )}
 KINDS = tuple(FAULT_KINDS)
 NODE_KINDS = tuple(k for k, v in FAULT_KINDS.items() if v.on_node)
-_INT_KEYS = {"stage", "rank", "step", "micro", "round", "build"}
+_INT_KEYS = {"stage", "rank", "step", "micro", "round", "build", "seed"}
+WHATS = ("rank", "node")  # what a poisson event takes
 DEFAULT_STALL_S = 5.0
 DEFAULT_PARTITION_S = 10.0
 # A testbed node's name (mpipipe.tools.emulator.NAME_RE), with or without the mpt- prefix.
@@ -106,6 +117,12 @@ class Fault:
     node never rejoins (mpirun could not end the job while a rank is unreachable, and a
     rank back on the link may have lost the messages that told it it was replaced).
     Both are fired by the lowest rank on the node (:func:`firing_rank`).
+    ``poisson``: events at exponential intervals of mean 1/``rate`` seconds of wall time
+    since the run's start, seeded by ``seed``; each takes a victim drawn uniformly among
+    the ranks that may fail (``what="node"``: the testbed's nodes), and fires at the
+    victim's first step boundary at or after its time as a ``kill`` (a ``stall`` of
+    ``seconds`` when ``rejoin=T`` was given: the rank comes back), or as a ``node-kill``
+    (a ``partition`` of ``seconds``). A victim killed is not drawn again.
     Steps are 0-based optimizer steps.
     """
 
@@ -120,6 +137,10 @@ class Fault:
     round: int = 0  # kill, stall: N = in the N-th round from ``step`` on (ResPipe)
     build: bool = False  # with round: after the member's READY and GO, before its build
     node: str | None = None  # node-kill, partition: the testbed node's name (no mpt- prefix)
+    rate: float = 0.0  # poisson: events per second (its rejoin=T is kept in seconds)
+    seed: int = 0  # poisson: the process's own seed
+    what: str = "rank"  # poisson: what an event takes, a rank or a testbed node
+    origin: str = ""  # a fault a process drew: which event, "poisson #2 at 41.3 s"
 
     @property
     def how(self) -> FaultKind:
@@ -136,6 +157,12 @@ class Fault:
         return stage is not None and self.stage == stage
 
     def __str__(self) -> str:
+        if self.kind == "poisson":
+            rejoin = f":rejoin={self.seconds:g}s" if self.seconds else ""
+            return f"poisson:rate={_rate_text(self.rate)}:seed={self.seed}{rejoin}:what={self.what}"
+        return self._concrete() + (f" ({self.origin})" if self.origin else "")
+
+    def _concrete(self) -> str:
         if self.node is not None:
             extra = f":seconds={self.seconds:g}" if self.kind == "partition" else ""
             return f"{self.kind}:node={self.node}:step={self.step}{extra}"
@@ -148,6 +175,13 @@ class Fault:
                  "delay": f"p={self.p:g}:seconds={self.seconds:g}",
                  "slow": f"step={self.step}:factor={self.factor:g}"}[self.kind]
         return f"{self.kind}:{where}:{extra}"
+
+
+def _rate_text(rate: float) -> str:
+    """A rate as the user would write it ("1/30min") when that reads back exactly, else
+    events per second."""
+    text = re.sub(r"^1/1(?=[a-z])", "1/", format_rate(rate))  # "1/1h" reads "1/h"
+    return text if abs(parse_rate(text) - rate) <= 1e-12 * rate else f"{rate:.12g}"
 
 
 def _fail(spec: str, why: str, kind: str | None = None) -> FaultError:
@@ -179,6 +213,8 @@ def parse(spec: str) -> Fault:
             raise _fail(spec, "seconds must be > 0 (how long the link stays down)", kind)
     if "build" in values:
         values["build"] = bool(values["build"])
+    if kind == "poisson":
+        values["seconds"] = values.pop("rejoin", 0.0)
     return Fault(kind=kind, **{k: v for k, v in values.items()})  # type: ignore[arg-type]
 
 
@@ -191,7 +227,8 @@ def _read_values(spec: str, kind: str, parts: Sequence[str]) -> dict[str, float 
         if "=" not in part:
             raise _fail(spec, f"{part!r} is not key=value", kind)
         key, raw = (s.strip().lower() for s in part.split("=", 1))
-        allowed = spec_kind.required | spec_kind.optional | (set() if spec_kind.on_node else {"stage", "rank"})
+        targets = set() if spec_kind.on_node or spec_kind.process else {"stage", "rank"}
+        allowed = spec_kind.required | spec_kind.optional | targets
         if key not in allowed:
             raise _fail(spec, f"unknown key {key!r} for {kind} (allowed: {', '.join(sorted(allowed))})",
                         kind)
@@ -204,6 +241,9 @@ def _read_values(spec: str, kind: str, parts: Sequence[str]) -> dict[str, float 
                                   f"or digits starting with a letter, as in the testbed file)", kind)
             values[key] = match.group(1)  # type: ignore[assignment]
             continue
+        if key in ("rate", "rejoin", "what"):
+            values[key] = _process_value(spec, key, raw)  # type: ignore[assignment]
+            continue
         try:
             values[key] = int(raw) if key in _INT_KEYS else float(raw)
         except ValueError:
@@ -212,15 +252,34 @@ def _read_values(spec: str, kind: str, parts: Sequence[str]) -> dict[str, float 
     return values
 
 
+def _process_value(spec: str, key: str, raw: str) -> float | str:
+    """A poisson key's value: a rate (mpipipe.core.units.parse_rate), a duration
+    (parse_duration), or what an event takes."""
+    try:
+        if key == "rate":
+            return parse_rate(raw)
+        if key == "rejoin":
+            return parse_duration(raw)
+    except ValueError as e:
+        raise _fail(spec, f"{key}={e}", "poisson") from None
+    if raw not in WHATS:
+        raise _fail(spec, f"what={raw!r}: give what=rank (a rank dies) or what=node (a testbed "
+                          f"node)", "poisson")
+    return raw
+
+
 def _check_values(spec: str, kind: str, values: Mapping[str, float | int]) -> None:
     """One target, every required key, and each value in its range and company."""
     spec_kind = FAULT_KINDS[kind]
-    if not spec_kind.on_node and ("stage" in values) == ("rank" in values):
+    if "rate" in values and values["rate"] == 0:
+        raise _fail(spec, "rate=0 never fires: give a positive rate, such as 1/30min or 2/h "
+                          "(or drop the fault)", kind)
+    if not (spec_kind.on_node or spec_kind.process) and ("stage" in values) == ("rank" in values):
         raise _fail(spec, "name exactly one target, stage=K or rank=R", kind)
     missing = spec_kind.required - set(values)
     if missing:
         raise _fail(spec, f"missing {', '.join(sorted(missing))}", kind)
-    for key in ("stage", "rank", "step", "micro"):
+    for key in ("stage", "rank", "step", "micro", "seed"):
         if key in values and values[key] < 0:
             raise _fail(spec, f"{key} must be >= 0", kind)
     if "round" in values and values["round"] < 1:
@@ -244,8 +303,9 @@ def parse_all(specs: Iterable[str]) -> list[Fault]:
 
 
 def target_rank(f: Fault, plan: LaunchPlan) -> int | None:
-    """The world rank a fault hits at launch (None: a stage the plan does not have, or a node)."""
-    if f.node is not None:
+    """The world rank a fault hits at launch (None: a stage the plan does not have, a node,
+    or a process, which draws its targets)."""
+    if f.node is not None or f.how.process:
         return None
     if f.rank is not None:
         return f.rank
@@ -275,9 +335,22 @@ def check_reachable(faults: Sequence[Fault], plan: LaunchPlan, *, steps: int | N
     world = plan.world_size
     stages = sorted({role.index for role in plan.roles if role.kind == "stage"})
     for f in faults:
+        if f.how.process:
+            _check_process(f, plan)
+            continue
         _check_bounds(f, world, stages, steps, chunks)
         _check_role(f, plan, mode)
     _check_kill_order(faults, plan)
+
+
+def _check_process(f: Fault, plan: LaunchPlan) -> None:
+    """A process has ranks to take (its nodes are checked in :func:`check_nodes`, once
+    the hosts are known). Why not more: when its events fall is a matter of wall time,
+    which no start-up check knows; an event after the run's end is not a fault that
+    cannot fire, it is a process that goes on beyond the run."""
+    if f.what == "rank" and not rank_victims(plan):
+        raise _never(f, f"no rank may be a victim (the plan: {plan.describe()}; spares and "
+                        "the host are never drawn)")
 
 
 def _check_bounds(f: Fault, world: int, stages: Sequence[int], steps: int | None,
@@ -374,7 +447,7 @@ def check_nodes(faults: Sequence[Fault], hosts: Sequence[str], plan: LaunchPlan 
     # A spare rank never reaches a step, so it cannot fire a fault: it counts as on no node.
     spare = {r for r in range(len(hosts)) if plan is not None and plan.role_of(r).kind == "spare"}
     _hosts = tuple("" if r in spare else h for r, h in enumerate(hosts))
-    nodes = [f for f in faults if f.node is not None]
+    nodes = [f for f in faults if f.node is not None or (f.how.process and f.what == "node")]
     if not nodes:
         return
     from mpipipe.core.mpi.testbed_nodes import node_hosts
@@ -385,6 +458,12 @@ def check_nodes(faults: Sequence[Fault], hosts: Sequence[str], plan: LaunchPlan 
         raise _never(nodes[0], f"the ranks run on {where}, not on the nodes of a testbed that is up; "
                                f"node faults need one (python -m mpipipe testbed, docs/testbed.md)")
     for f in nodes:
+        if f.how.process:
+            if not node_victims(_hosts, plan):
+                raise _never(f, f"no node may be a victim (the ranks run on "
+                                f"{', '.join(sorted(set(hosts)))}; a node that runs the host or only "
+                                "spare ranks is never drawn)")
+            continue
         if firing_rank(f.node, _hosts) is None:  # type: ignore[arg-type]
             only = " but spare ones" if any(hosts[r] == "mpt-" + f.node for r in spare) else ""
             raise _never(f, f"no rank{only} runs on node mpt-{f.node} (the ranks run on "
@@ -509,7 +588,9 @@ class FaultPlan:
 
     Every rank builds the same plan from the same config, so ranks agree on what
     is injected without a message; random delays draw from a generator seeded by
-    (seed, target, step), so a replayed step straggles exactly as before.
+    (seed, target, step), so a replayed step straggles exactly as before. A process
+    (``poisson``) is expanded alike on every rank from the launch ``plan`` (its ranks)
+    or the hosts (its nodes); its clock runs from :meth:`start` (``clock``: seconds).
     """
 
     def __init__(
@@ -524,6 +605,8 @@ class FaultPlan:
         kill: Callable[[], None] | None = None,
         dry: bool = False,
         hosts: Sequence[str] | None = None,
+        plan: LaunchPlan | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.all = list(faults)
         # hosts: every rank's host (node faults), default the ones recorded at start-up
@@ -537,6 +620,21 @@ class FaultPlan:
         self._fired: set[tuple[int, int]] = set()  # (fault index, step) of one-shot faults
         self._rounds: dict[int, int] = {}  # round fault index -> rounds run from its step
         self.dry = dry  # only on_fire: a plan that logs another rank's faults (Stannis host)
+        self.hosts = hosts
+        # The processes (poisson), by their index in ``all``, on a clock that starts at
+        # start() (or at the first step boundary).
+        self.drawn = Clocked({i: _expand(f, plan, hosts) for i, f in enumerate(self.all)
+                              if f.how.process}, clock)
+
+    def start(self) -> None:
+        """Start the processes' clock: call it when the run starts (after the ranks met),
+        so that every rank counts the same seconds."""
+        self.drawn.start()
+
+    def drawn_fault(self, index: int, number: int, step: int) -> Fault:
+        """The fault that event ``number`` of process ``index`` (in :attr:`all`) fires at
+        ``step``: what the log writer names when another rank tells it one fired."""
+        return _drawn(self.all[index], self.drawn.processes[index].event(number), step)
 
     def in_round(self, step: int, at_build: bool = False) -> float:
         """Fire this process's round faults (``round=N``) due by ``step``: called once a
@@ -555,11 +653,13 @@ class FaultPlan:
                     return slept  # only reached when kill is replaced in tests
         return slept
 
-    def _kill_or_stall(self, f: Fault, step: int, key: tuple[int, int]) -> float:
+    def _kill_or_stall(self, f: Fault, step: int, key: tuple[int, int] | None,
+                       detail: Mapping[str, float] | None = None) -> float:
         """Fire one kill or stall (once: ``key`` is marked fired); the seconds slept."""
-        self._fired.add(key)
+        if key is not None:
+            self._fired.add(key)
         if self.on_fire:
-            self.on_fire(f, step, {"seconds": f.seconds})
+            self.on_fire(f, step, detail or {"seconds": f.seconds})
         if f.kind == "kill":
             self._kill()
             return 0.0  # only reached when kill is replaced in tests
@@ -598,15 +698,7 @@ class FaultPlan:
                     self.on_fire(f, step, {"seconds": f.seconds})
                 if self.dry:
                     continue
-                if f.kind == "partition":
-                    set_link(f.node, up=False)
-                    self._sleep(f.seconds)  # alive but unreachable, as a stalled rank
-                    slept += f.seconds
-                kill_node(f.node)  # the node's other processes; then this one
-                if f.kind == "partition":
-                    set_link(f.node, up=True)  # for the next job: the node is empty now
-                self._kill()
-                return slept  # only reached when kill is replaced in tests
+                return slept + self._end_node(f)  # only returns when kill is replaced in tests
             elif f.kind in ("kill", "stall") and f.step == step and f.micro == micro \
                     and not f.round and (i, step) not in self._fired:
                 slept += self._kill_or_stall(f, step, (i, step))
@@ -624,4 +716,90 @@ class FaultPlan:
                         self.on_fire(f, step, {"seconds": f.seconds})
                     self._sleep(f.seconds)
                     slept += f.seconds
+        if micro < 0 and self.drawn.processes:
+            slept += self._fire_drawn(step)
         return slept
+
+    def _end_node(self, f: Fault) -> float:
+        """A node-kill or partition of ``f.node``, fired here; ends this process (returns
+        the seconds slept only when kill is replaced in tests)."""
+        assert f.node is not None
+        slept = 0.0
+        if f.kind == "partition":
+            set_link(f.node, up=False)
+            self._sleep(f.seconds)  # alive but unreachable, as a stalled rank
+            slept = f.seconds
+        kill_node(f.node)  # the node's other processes; then this one
+        if f.kind == "partition":
+            set_link(f.node, up=True)  # for the next job: the node is empty now
+        self._kill()
+        return slept
+
+    def _fire_drawn(self, step: int) -> float:
+        """Fire the earliest event of a process that is due and aimed here (at most one
+        per boundary: two events that fell due while this rank was away come one step
+        apart); returns the seconds slept. Events aimed at other ranks are passed over."""
+        due = self.drawn.due(self._aimed_here)
+        if due is None:
+            return 0.0
+        i, event = due
+        f = _drawn(self.all[i], event, step)
+        detail = {"seconds": f.seconds, "process": i, "event": event.number}
+        if f.node is None:
+            return self._kill_or_stall(f, step, None, detail)
+        if self.on_fire:
+            self.on_fire(f, step, detail)
+        return 0.0 if self.dry else self._end_node(f)
+
+    def _aimed_here(self, event: Event) -> bool:
+        if isinstance(event.victim, str):
+            return firing_rank(event.victim, self.hosts) == self.rank
+        return event.victim == self.rank
+
+
+def preview(f: Fault, plan: LaunchPlan, n: int = 5) -> str:
+    """A fault as a dry run shows it (``python -m mpipipe plan``): a process with its first
+    ``n`` events and whom it draws from (nodes are known only once the ranks run)."""
+    if not f.how.process:
+        return str(f)
+    every = format_rate(f.rate).removeprefix("1/")
+    what = f"stall of {f.seconds:g} s" if f.seconds else "kill"
+    if f.what == "node":
+        what = f"partition of {f.seconds:g} s" if f.seconds else "node-kill"
+        return (f"{f}: a {what} about every {every}, of a testbed node drawn once the ranks run "
+                "(never the host's)")
+    events = _expand(f, plan, None).first(n)
+    first = ", ".join(f"rank {e.victim} at {_clock_text(e.at_s)}" for e in events)
+    victims = ", ".join(map(str, rank_victims(plan)))
+    return f"{f}: a {what} about every {every}, drawn among ranks {victims}; the first: {first}"
+
+
+def _clock_text(seconds: float) -> str:
+    """Seconds since the run's start as a person reads them: 41.3 s, 12m05s, 2h03m."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def _expand(f: Fault, plan: LaunchPlan | None, hosts: Sequence[str] | None) -> Process:
+    """A poisson fault's events, drawn among what it may take: the plan's ranks, or the
+    testbed nodes the ranks run on (``hosts``, default the ones recorded at start-up)."""
+    if f.what == "node":
+        return Process(f.rate, f.seed, node_victims(hosts if hosts is not None else _hosts or (), plan),
+                       ends_victim=True)  # a partitioned node ends as a killed one
+    if plan is None:
+        raise ValueError(f"fault {f}: a process of rank faults needs the launch plan to draw from")
+    return Process(f.rate, f.seed, rank_victims(plan), ends_victim=not f.seconds)
+
+
+def _drawn(p: Fault, event: Event, step: int) -> Fault:
+    """The concrete fault a process's event fires at ``step`` (a fault of the chaos
+    command's kinds), named after the event."""
+    origin = f"poisson #{event.number} at {event.at_s:.1f} s"
+    if p.what == "node":
+        return Fault("partition" if p.seconds else "node-kill", node=str(event.victim), step=step,
+                     seconds=p.seconds, origin=origin)
+    return Fault("stall" if p.seconds else "kill", rank=int(event.victim), step=step,
+                 seconds=p.seconds, origin=origin)

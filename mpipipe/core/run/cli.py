@@ -74,7 +74,10 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, resume: bool = True)
              "stall:stage=K:step=S[:micro=M][:seconds=T], delay:stage=K:p=P:seconds=T, "
              "slow:rank=R:step=S:factor=F (micro=M: inside step S, after the forward of "
              "micro-batch M); on a testbed: node-kill:node=N:step=S (every process of node N), "
-             "partition:node=N:step=S[:seconds=T] (node N's link down for T s, default 10)",
+             "partition:node=N:step=S[:seconds=T] (node N's link down for T s, default 10); "
+             "failures as a process: poisson:rate=R:seed=S[:rejoin=T][:what=rank|node] (kills "
+             "of random ranks or nodes at seeded exponential intervals, R events per time such "
+             "as 1/30min; with rejoin=T each a stall of T, or a partition of a node)",
     )
     if not resume:
         parser.set_defaults(resume=None)
