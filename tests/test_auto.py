@@ -183,3 +183,18 @@ def test_failures_beyond_the_given_rate_bring_r_down_at_the_takeover(respipe_arg
     assert again["detail"]["previous"] == first["detail"]["replicate_every"]
     assert again["detail"]["replicate_every"] < first["detail"]["replicate_every"]
     assert "failure(s)" in again["detail"]["why"]
+
+
+@pytest.mark.parametrize("rate, want", [(0.0, "large R"), (1 / 20, "small R or hot")])
+def test_auto_picks_a_large_r_without_failures_and_a_small_one_or_hot_when_they_are_frequent(rate, want):
+    from mpipipe.respipe import goodput
+
+    request = auto.AutoRequest(("cold", "hot"), goodput.GRID_R, rate, 100.0)
+    costs = goodput.Costs([0.05, 0.05, 0.05], 32, 4, 100.0, 1e9, label_bytes=8, input_bytes=256)
+    best, why = auto._best(request, _SHAPES, {"cold": costs, "hot": costs, "": costs}, rate,
+                           {0: 1, 1: 1, 2: 1}, steps=20_000)
+    if want == "large R":
+        assert best.R >= 100, why
+    else:
+        assert best.mode == "hot" or best.R <= 3, why
+    assert why.startswith(f"{best.mode} R={best.R}: the highest predicted goodput")
