@@ -241,36 +241,54 @@ def _stopped(run: Any, rp: ResPipe, e: StopRun, checkpoint_dir: Path | None) -> 
 def _demoted(run: Any, rp: ResPipe, e: Demoted) -> None:
     """This rank was late and replaced: one line, and it leaves (exit 0).
 
-    Unless it is the last rank alive: the stages that replaced it died while it was
-    stalled, and nobody is left to close the log (their records wait in its journals).
-    Then it writes them and closes the log as a lost stage, and leaves with exit 2.
+    Under ULFM it first stays, idle, until the run is over: the run log is closed (a
+    writer ended it) or the job's last members tell it so. If instead every other rank
+    dies first, as when the stages that replaced it die while it stalled, nobody else is
+    left to close the log (their records wait in its journals): it writes them, closes
+    the log as a lost stage, and leaves with exit 2.
     """
     from mpipipe.core.mpi import stop
 
-    lost = _everyone_else_dead(rp)
+    print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
+          f"the job without sending anything", file=sys.stderr, flush=True)
+    lost = _outlive(run, rp) if rp.m.ulfm and run.log.path is not None else None
     if lost is not None and run.log.close_abandoned(f"failed: {lost}"):
         print(f"{run.prog}: error: {lost}", file=sys.stderr, flush=True)
         stop.flush_and_exit(2)
-    print(f"{run.prog}: rank {run.rank} was late and has been replaced ({e}); it leaves "
-          f"the job without sending anything", file=sys.stderr, flush=True)
     # (a replaced log writer let go of the log: a survivor writes it now)
     # Leave without MPI_Finalize, whose world-wide agreement would wait for ranks
     # that have moved on (or, after a lost stage, exited with an error).
     stop.flush_and_exit(0)
 
 
-def _everyone_else_dead(rp: ResPipe) -> StageLost | None:
-    """The lost stage to report when ULFM knows every other rank of the job to be dead
-    (None while any may live): the first stage of the route this rank last knew whose
-    rank is among them."""
+OUTLIVE_S = 600.0  # how long a replaced rank stays to close a log nobody is left to close
+
+
+def _outlive(run: Any, rp: ResPipe) -> StageLost | None:
+    """Wait (at most OUTLIVE_S, idle) until the run is over: None once its log is closed
+    or the last generation said so on the lobby; the lost stage to report once ULFM knows
+    every other rank of the job to be dead while the log still says ``running``."""
+    import time
+
+    from mpipipe.core.mpi import watchdog
+
     world = rp.m.world
     others = set(range(world.Get_size())) - {rp.wrank}
-    if not rp.m.ulfm or not others or not others <= set(ft.failed_ranks(world)):
-        return None
-    stage, rank = next(((k, w) for k, w in enumerate(rp.m.route_w) if w != rp.wrank),
-                       (0, min(others)))
-    return StageLost(stage, rank, "failed, as did every other rank of the job after this "
-                                  "rank was replaced,")
+    give_up = time.monotonic() + OUTLIVE_S
+    while time.monotonic() < give_up and others:
+        if rp.rejoin.closed():
+            return None
+        status = run.log.status_on_disk()
+        if status is not None and status != "running":
+            return None
+        if others <= set(ft.failed_ranks(world)):
+            stage, rank = next(((k, w) for k, w in enumerate(rp.m.route_w) if w != rp.wrank),
+                               (0, min(others)))
+            return StageLost(stage, rank, "failed, as did every other rank of the job after "
+                                          "this rank was replaced,")
+        watchdog.beat()  # idle on purpose, bounded by OUTLIVE_S
+        time.sleep(0.2)
+    return None
 
 
 def _finish(run: Any, rp: ResPipe, result: Mapping[str, Any]) -> int:

@@ -29,6 +29,7 @@ class Rejoin:
     def __init__(self, m: Membership, replicas: Replicas, faults: FaultPlan) -> None:
         self.m, self.replicas, self.faults = m, replicas, faults
         self.requests: dict[int, float] = {}  # replaced rank -> when it was told
+        self._closed = False  # the last generation said the run is over (closed)
 
     def enabled(self) -> bool:
         """Replaced ranks may rejoin only under ULFM (a round must be able to wake every
@@ -75,6 +76,13 @@ class Rejoin:
                 self.m.lobby.send(_CLOSED, w, [self.m.gen])
         self.m.lobby.drain(1.0)
 
+    def closed(self) -> bool:
+        """Has the job's last generation said that there is nothing to rejoin (the run is
+        over)? Kept once heard."""
+        if not self._closed and self.m.lobby.poll(_CLOSED, self.m.MPI.ANY_SOURCE) is not None:
+            self._closed = True
+        return self._closed
+
     def rejoin(self, demoted: Demoted) -> bool:
         """A replaced rank asks to come back as a backup. True once it is one again.
 
@@ -90,7 +98,7 @@ class Rejoin:
         self._ask(since)
         give_up = time.perf_counter() + REJOIN_WAIT_S
         while time.perf_counter() < give_up:
-            if self.m.lobby.poll(_CLOSED, self.m.MPI.ANY_SOURCE) is not None:
+            if self.closed():
                 return False
             msg = self.m.lobby.poll(_ADMIT, self.m.MPI.ANY_SOURCE)
             if msg is not None:

@@ -268,6 +268,21 @@ class RunLog:
         self._takeover = Takeover(self.path, self._clock, self._system, ready, order)
         self._try_open()
 
+    def status_on_disk(self) -> str | None:
+        """The run status the log's file holds now (``running``, ``completed``, ...); None
+        while another process holds it open for writing, or where it cannot be read.
+
+        Why: a rank outside the job (a replaced one) learns from the file whether the run
+        is over, without a message from ranks that may all be gone.
+        """
+        if self.path is None or not self.path.is_file():
+            return None
+        try:
+            with h5py.File(self.path, "r") as f:
+                return str(f.attrs.get("status", "")) if f.attrs.get("format") == FORMAT else None
+        except (OSError, BlockingIOError):
+            return None
+
     def close_abandoned(self, status: str) -> bool:
         """Close a log that no live rank writes any more: the last rank alive of a run
         whose writers all left (ResPipe: a replaced writer that woke to find every other
