@@ -66,8 +66,6 @@ def measured_goodput(log: Path, batch: int) -> tuple[float, int, bool]:
 def _model(work: Path, plain_step_s: float, rate_per_job: float, ranks: int, batch: int,
            modes: Sequence[str], rs: Sequence[int]) -> dict[tuple[str, int], float]:
     """The goodput model's prediction of every (mode, R), calibrated on the plain run."""
-    from dataclasses import replace
-
     from mpipipe.core.run.configfile import load_config
     from mpipipe.pipeline.config import PIPELINE_CHOICES, PIPELINE_DEFAULTS
     from mpipipe.respipe import costmodel, goodput
@@ -83,17 +81,7 @@ def _model(work: Path, plain_step_s: float, rate_per_job: float, ranks: int, bat
                                           batch_size=batch, chunks=chunks)
     costs = goodput.Costs(compute, batch, chunks, 100.0, pack, label_bytes=8, input_bytes=in_bytes,
                           detect_s=goodput.DETECT_S + 0.5)  # a stall: found by the deadline
-    lo, hi = 0.0, 1.0
-
-    def plain_step(scale: float) -> float:
-        return batch / goodput.plain_samples_per_s(shapes, replace(costs, compute_s=[c * scale for c in compute]))
-
-    while plain_step(hi) < plain_step_s and hi < 1e6:
-        lo, hi = hi, hi * 2
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if plain_step(mid) < plain_step_s else (lo, mid)
-    costs = replace(costs, compute_s=[c * hi for c in compute])
+    costs = goodput.scaled_to_plain_step(shapes, costs, plain_step_s)
     failures = goodput.Failures(rate_per_job / ranks, rejoin_s=REJOIN_S)
     backups = dict.fromkeys(range(k), 1)
     return {(m, r): goodput.predict(shapes, costs, failures, mode=m, replicate_every=r,

@@ -24,6 +24,14 @@ def _size(n: float) -> str:
     return f"{n:.1f}"
 
 
+def _aligned(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """Columns right-aligned to their widest cell, the header first."""
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths, strict=True)) for b in body]
+    return "\n".join(lines)
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The trade-off table as aligned text (what ``python -m mpipipe cost`` prints)."""
     head = ("mode", "R", "plain/step", "respipe/step", "replica/step", "shadow/step", "overhead",
@@ -31,10 +39,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     body = [(r["mode"], str(r["R"]), _size(r["plain_bytes"]), _size(r["respipe_bytes"]),
              _size(r["replica_bytes"]), _size(r["shadow_bytes"]), f"{100 * r['overhead']:.1f}%",
              str(r["lost_updates"])) for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths, strict=True)) for b in body]
-    return "\n".join(lines)
+    return _aligned(head, body)
 
 
 def format_goodput(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -43,10 +48,7 @@ def format_goodput(rows: Sequence[Mapping[str, Any]]) -> str:
     body = [(r["mode"], str(r["R"]), _size(r["respipe_bytes"]), f"{1000 * r['step_s']:.2f} ms",
              f"{r['samples_per_s']:,.0f}", f"{r['goodput']:,.0f}", f"{100 * r['lose_run']:.3g}%",
              f"{r['lost_updates']:g}") for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths, strict=True)) for b in body]
-    return "\n".join(lines)
+    return _aligned(head, body)
 
 
 # -- `python -m mpipipe cost` ------------------------------------------------------------------
@@ -156,30 +158,6 @@ def _time(text: str | None, what: str) -> float | None:
         raise ValueError(f"{what}: {e}") from None
 
 
-def _scaled(shapes: Sequence[Any], costs: Any, step_time: float, args: Any) -> Any:
-    """``costs`` with the stages' compute scaled (all alike) so that the plain pipeline's
-    failure-free step takes ``step_time`` at the link rate (bisection: the step grows
-    with the compute)."""
-    from dataclasses import replace
-
-    from mpipipe.respipe import goodput
-
-    def step(scale: float) -> float:
-        scaled = replace(costs, compute_s=[c * scale for c in costs.compute_s])
-        return costs.batch_size / goodput.plain_samples_per_s(shapes, scaled)
-
-    if step(0.0) >= step_time:
-        raise ValueError(f"--step-time {args.step_time}: shorter than the links alone take at "
-                         f"{args.link_rate} ({1000 * step(0.0):.1f} ms)")
-    lo, hi = 0.0, 1.0
-    while step(hi) < step_time:
-        lo, hi = hi, hi * 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if step(mid) < step_time else (lo, mid)
-    return replace(costs, compute_s=[c * hi for c in costs.compute_s])
-
-
 def _goodput(args: Any, cfg: Mapping[str, Any], shapes: Sequence[Any], backups: Mapping[int, int],
              assumed: str, modes: Sequence[str], rs: Sequence[int], label: int, in_bytes: int,
              balance: Sequence[int]) -> int:
@@ -207,7 +185,10 @@ def _goodput(args: Any, cfg: Mapping[str, Any], shapes: Sequence[Any], backups: 
     measured = "measured here"
     step_time = _time(args.step_time, "--step-time")
     if step_time is not None:  # scale the stages' compute so the plain step is the user's
-        costs = _scaled(shapes, costs, step_time, args)
+        try:
+            costs = goodput.scaled_to_plain_step(shapes, costs, step_time)
+        except ValueError as e:
+            raise ValueError(f"--step-time {args.step_time}: {e}") from None
         measured = f"scaled to a plain step of {args.step_time}"
     failures = goodput.Failures(rate, _time(args.rejoin, "--rejoin"), _time(args.run_time, "--run-time"),
                                 int(cfg["run"]["steps"]) or 1000)

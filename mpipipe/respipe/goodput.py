@@ -40,8 +40,8 @@ from typing import Any
 from mpipipe.respipe import costmodel
 from mpipipe.respipe.costmodel import StageShape
 
-__all__ = ["Costs", "Failures", "Prediction", "predict", "grid", "recommend", "plain_samples_per_s", "young_daly_R",
-           "pipelined_seconds", "measure_costs", "SAFE_LOSS", "GRID_R"]
+__all__ = ["Costs", "Failures", "Prediction", "predict", "grid", "recommend", "plain_samples_per_s",
+           "scaled_to_plain_step", "young_daly_R", "pipelined_seconds", "measure_costs", "SAFE_LOSS", "GRID_R"]
 
 GRID_R = (1, 2, 3, 5, 10, 20, 30, 50, 100, 200, 500, 1000)
 SAFE_LOSS = 0.01  # a setting that loses the run more often than this (and than needed) is not recommended
@@ -215,6 +215,31 @@ def plain_samples_per_s(stages: Sequence[StageShape], costs: Costs) -> float:
     cost = costmodel.predict(stages, batch_size=costs.batch_size, label_bytes=costs.label_bytes,
                              input_bytes=costs.input_bytes)
     return costs.batch_size / _step_seconds(stages, costs, cost, list(costs.compute_s), 1, {})
+
+
+def scaled_to_plain_step(stages: Sequence[StageShape], costs: Costs, step_s: float) -> Costs:
+    """``costs`` with the stages' compute scaled (all alike) so that the plain pipeline's
+    failure-free step takes ``step_s`` at the link rate: a step measured on the user's
+    nodes (``cost --step-time``, a bench's plain run) stands in for this machine's compute.
+    Bisection: the step grows with the compute.
+
+    Raises:
+        ValueError: ``step_s`` is shorter than the links alone take (the message says how long).
+    """
+    def step(scale: float) -> float:
+        return costs.batch_size / plain_samples_per_s(
+            stages, replace(costs, compute_s=[c * scale for c in costs.compute_s]))
+
+    if step(0.0) >= step_s:
+        raise ValueError(f"shorter than the links alone take at {costs.link_mbit:g} Mbit/s "
+                         f"({1000 * step(0.0):.1f} ms)")
+    lo, hi = 0.0, 1.0
+    while step(hi) < step_s:
+        lo, hi = hi, hi * 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < step_s else (lo, mid)
+    return replace(costs, compute_s=[c * hi for c in costs.compute_s])
 
 
 def recommend(predictions: Sequence[Prediction], plain: float, safe_loss: float = SAFE_LOSS
